@@ -1,0 +1,28 @@
+"""distributed_utils: Lux.jl's DistributedUtils for MLX. See README.md."""
+
+from .api import (
+    allgather,
+    allreduce,
+    avg,
+    barrier,
+    bcast,
+    get_distributed_backend,
+    initialize,
+    initialized,
+    local_rank,
+    node_rank,
+    reduce,
+    total_workers,
+)
+from .backends import (
+    AbstractBackend,
+    BackendUnavailableError,
+    JACCLBackend,
+    MLXBackend,
+    MLXMPIBackend,
+    MPIBackend,
+    NCCLBackend,
+    RingBackend,
+)
+
+__version__ = "0.1.0"
