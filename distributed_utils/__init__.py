@@ -24,5 +24,6 @@ from .backends import (
     NCCLBackend,
     RingBackend,
 )
+from .data import DistributedDataContainer
 
 __version__ = "0.1.0"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 
 def launched_by_mpirun() -> bool:
-    return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
+    """Whether mpirun started this process in a job of more than one process."""
+    return int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", 1))) > 1
 
 
 def libmpi_path():

@@ -1,0 +1,274 @@
+"""DistributedDataContainer: this rank's share of a data set, and equal-length epochs of batches.
+
+Sized data (anything with ``len`` and indexing) is split without communication: rank r of P
+owns the contiguous items ``shard_bounds(N, P, r)`` (``np.array_split``'s boundaries, which
+equal Lux's ``ceil(N/P)`` chunks when P divides N, and work for any P, even P > N). Shards are
+disjoint and cover the data. The container keeps only an index map: it never copies the data,
+and reads items (or rows of a batch, with one ``data[indices]`` call for arrays and Hugging
+Face datasets) only when they are asked for.
+"""
+
+import itertools
+import operator
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+from .api import allreduce, local_rank, total_workers
+
+
+def shard_bounds(n: int, world_size: int, rank: int) -> tuple:
+    """``(start, stop)`` of rank's contiguous shard of ``n`` items: the first ``n % world_size``
+    ranks hold ``ceil(n / world_size)`` items, the others ``floor`` (possibly 0)."""
+    q, r = divmod(n, world_size)
+    start = rank * q + min(rank, r)
+    return start, start + q + (rank < r)
+
+
+def samples_per_rank(n: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """How many items every rank visits per epoch: ``ceil(n / P)`` (short ranks repeat items)
+    or, with ``drop_last``, the most full batches every rank can fill without repeats."""
+    if drop_last:
+        return (n // world_size) // batch_size * batch_size
+    return -(-n // world_size)
+
+
+def batch_count(n: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """Batches per epoch on every rank; a function of its arguments alone (no communication)."""
+    return -(-samples_per_rank(n, world_size, batch_size, drop_last) // batch_size)
+
+
+def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False):
+    """The global indices rank visits in this epoch, in order (``samples_per_rank`` of them).
+
+    The epoch's order is ``range(n)``, or with ``shuffle`` one permutation drawn from
+    ``np.random.default_rng((seed, epoch))``, the same on every rank. Rank r reads that order
+    from the start of its shard, wrapping around the end: without ``drop_last`` a rank whose
+    shard is one item short repeats the next item (the first rank's for the last rank)."""
+    start, _ = shard_bounds(n, world_size, rank)
+    positions = (start + np.arange(samples_per_rank(n, world_size, batch_size, drop_last))) % n
+    if not shuffle:
+        return positions
+    return np.random.default_rng((seed, epoch)).permutation(n)[positions]
+
+
+class DistributedDataContainer:
+    """This rank's share of ``data``, read lazily.
+
+    ``data`` may be: a sequence (``len`` and ``data[i]``); a numpy or mx array (first axis);
+    a tuple or dict of those with the same length, indexed together (``(x, y)`` gives
+    ``(x[i], y[i])``; use a list for a sequence of items); a Hugging Face ``datasets.Dataset``
+    (rows fetched with ``ds[list_of_indices]``); or an iterable of unknown length (a stream:
+    rank r takes items r, r + P, r + 2P, ...).
+
+    For sized data ``len()``, ``container[i]`` (local index i -> global item
+    ``indices[i]``) and iteration cover this rank's shard only; no communication.
+    """
+
+    def __init__(self, backend, data):
+        self.backend = backend
+        self.rank = local_rank(backend)
+        self.world_size = total_workers(backend)
+        self.data = data
+        self.epoch = 0
+        self._fields = _fields(data, self._where)
+        self._n = _length(data, self._fields, self._where)
+        if self._n is not None:
+            self.indices = range(*shard_bounds(self._n, self.world_size, self.rank))
+
+    @property
+    def is_stream(self) -> bool:
+        """True for an iterable of unknown length (no ``len``, no indexing, no shuffling)."""
+        return self._n is None
+
+    def __len__(self):
+        self._check_sized("len()")
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        self._check_sized("indexing")
+        i = operator.index(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"{self._where}: index {i} is out of range for this rank's {len(self)} items")
+        j = self.indices[i]
+        if self._fields is not None:
+            return _map_fields(self._fields, lambda f: f[j])
+        return self.data[j]
+
+    def __iter__(self):
+        """This rank's items in order. A stream yields items rank, rank + P, ...: the counts
+        may differ by one across ranks; use ``batches`` for equal steps."""
+        if self.is_stream:
+            return itertools.islice(iter(self.data), self.rank, None, self.world_size)
+        return (self[i] for i in range(len(self)))
+
+    def set_epoch(self, epoch: int):
+        """The epoch that ``batches`` shuffles for when not given one (as in PyTorch's
+        DistributedSampler); call it with the same value on every rank."""
+        self.epoch = operator.index(epoch)
+
+    def num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
+        """Batches per epoch, the same on every rank (sized data only)."""
+        self._check_sized("num_batches")
+        return batch_count(self._n, self.world_size, self._batch_size(batch_size), drop_last)
+
+    def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=0):
+        """Yields this rank's batches for one epoch: mx.arrays stacked along a new first axis
+        (a tuple or dict of them for tuple/dict/dataset data; a field of strings or other
+        non-numbers stays a list). Every rank yields the same number of batches, of the same
+        sizes, so every rank runs the same number of steps.
+
+        Sized data (see ``epoch_indices``): each rank visits ``ceil(N / P)`` items, ranks one
+        short repeat one item, and the last batch may be smaller (same size on every rank);
+        with ``drop_last`` every batch is full and no item repeats (up to
+        ``P * batch_size - 1`` items are skipped). ``shuffle`` draws one global permutation
+        from ``(seed, epoch)``, the same on every rank, then shards it; ``epoch`` defaults to
+        the one from ``set_epoch``. ``start`` skips the first ``start`` batches: to resume,
+        save ``(epoch, batches done)`` and pass them back.
+
+        A stream is collective: one ``allreduce(min)`` per batch. The epoch ends at the first
+        step where some rank has fewer than ``batch_size`` items left; then every rank
+        yields a last batch of the smallest count (not with ``drop_last``). A generator can
+        be read once. ``shuffle`` needs sized data."""
+        batch_size = self._batch_size(batch_size)
+        start = operator.index(start)
+        if self.is_stream:
+            if shuffle:
+                raise ValueError(f"{self._where}: cannot shuffle a stream (data of unknown length)")
+            return self._stream_batches(batch_size, drop_last, start)
+        total = self.num_batches(batch_size, drop_last=drop_last)
+        if not 0 <= start <= total:
+            raise ValueError(f"{self._where}: start={start} is not in 0..{total} (batches per epoch)")
+        epoch = self.epoch if epoch is None else operator.index(epoch)
+        order = epoch_indices(
+            self._n, self.world_size, self.rank, batch_size,
+            shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last,
+        )  # fmt: skip
+        return (self._fetch(order[b : b + batch_size]) for b in range(start * batch_size, len(order), batch_size))
+
+    def _stream_batches(self, batch_size, drop_last, start):
+        items = iter(self)
+        for _ in itertools.islice(items, start * batch_size):  # a rank that runs dry stops all below
+            pass
+        while True:
+            chunk = list(itertools.islice(items, batch_size))
+            k = allreduce(self.backend, len(chunk), "min")
+            if k == 0 or (k < batch_size and drop_last):
+                return
+            yield _stack(chunk[:k])
+            if k < batch_size:
+                return
+
+    def _fetch(self, idx):
+        """The stacked batch of global indices ``idx`` (a numpy int array)."""
+        if self._fields is not None:
+            return _map_fields(self._fields, lambda f: _take(f, idx))
+        if _is_hf_dataset(self.data):
+            return {k: _stack(v) for k, v in self.data[idx.tolist()].items()}
+        return _take(self.data, idx)
+
+    def _batch_size(self, batch_size) -> int:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+            raise TypeError(f"{self._where}: batch_size must be an int, got {batch_size!r}")
+        if batch_size < 1:
+            raise ValueError(f"{self._where}: batch_size must be at least 1, got {batch_size}")
+        return int(batch_size)
+
+    def _check_sized(self, what):
+        if self.is_stream:
+            raise TypeError(f"{self._where}: {what} needs sized data; this is a stream of unknown length")
+
+    @property
+    def _where(self):
+        return f"DistributedDataContainer on rank {self.rank}"
+
+    def __repr__(self):
+        share = "a stream" if self.is_stream else f"items {self.indices.start}..{self.indices.stop - 1} of {self._n}"
+        return f"DistributedDataContainer(rank={self.rank}, world_size={self.world_size}, {share})"
+
+
+def _fields(data, where):
+    """``data`` itself for a tuple or dict of indexable fields, else None."""
+    if not isinstance(data, (tuple, dict)):
+        return None
+    if not data:
+        raise ValueError(f"{where}: data is an empty {type(data).__name__} (no fields)")
+    for key, field in (data.items() if isinstance(data, dict) else enumerate(data)):
+        if not _indexable(field) or isinstance(field, (tuple, dict)):
+            raise TypeError(
+                f"{where}: field {key!r} is a {type(field).__name__}; the fields of a tuple or dict "
+                "must be arrays or lists (len and indexing; no nested tuples or dicts)"
+            )
+    return data
+
+
+def _length(data, fields, where):
+    """The number of items, None for a stream; errors for empty, unindexable or mismatched data."""
+    if fields is not None:
+        keys = list(fields) if isinstance(fields, dict) else list(range(len(fields)))
+        n = _len(fields[keys[0]], where)
+        for key in keys[1:]:
+            if _len(fields[key], where) != n:
+                raise ValueError(
+                    f"{where}: field {key!r} has {_len(fields[key], where)} items but field "
+                    f"{keys[0]!r} has {n}; every field needs the same length (first axis)"
+                )
+    elif _indexable(data):
+        n = _len(data, where)
+    elif hasattr(data, "__len__") or not hasattr(data, "__iter__"):
+        raise TypeError(
+            f"{where}: cannot index a {type(data).__name__}; pass a sequence, a numpy or mx array, "
+            "a tuple or dict of arrays, a datasets.Dataset, or an iterable of unknown length"
+        )
+    else:
+        return None
+    if n == 0:
+        raise ValueError(f"{where}: data is empty (0 items)")
+    return n
+
+
+def _indexable(x) -> bool:
+    return hasattr(x, "__len__") and hasattr(x, "__getitem__")
+
+
+def _len(x, where) -> int:
+    try:
+        return len(x)
+    except TypeError:
+        raise TypeError(f"{where}: a {type(x).__name__} of shape () has no first axis to split") from None
+
+
+def _map_fields(fields, fn):
+    return {k: fn(v) for k, v in fields.items()} if isinstance(fields, dict) else tuple(map(fn, fields))
+
+
+def _is_hf_dataset(x) -> bool:
+    hf = sys.modules.get("datasets")  # a datasets.Dataset exists only if its module is loaded
+    return hf is not None and isinstance(x, hf.Dataset)
+
+
+def _take(field, idx):
+    """Rows ``idx`` of one array or sequence, stacked; arrays are read with one fancy index."""
+    if isinstance(field, np.ndarray):
+        return mx.array(field[idx])
+    if isinstance(field, mx.array):
+        return field[mx.array(idx)]
+    return _stack([field[int(i)] for i in idx])
+
+
+def _stack(values: list):
+    """A list of items as one batch: tuples and dicts per field, numbers and arrays as an
+    mx.array, anything else (strings, objects, ragged rows) as the list itself."""
+    first = values[0]
+    if isinstance(first, tuple):
+        return tuple(_stack(list(col)) for col in zip(*values))
+    if isinstance(first, dict):
+        return {k: _stack([v[k] for v in values]) for k in first}
+    if all(isinstance(v, mx.array) for v in values):
+        return mx.stack(values)
+    try:
+        arr = np.asarray(values)
+    except ValueError:  # ragged
+        return values
+    return mx.array(arr) if arr.dtype.kind in "biufc" else values

