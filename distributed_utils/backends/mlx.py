@@ -33,12 +33,15 @@ class MLXBackend(AbstractBackend):
             raise BackendUnavailableError(
                 f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' backend; {self.requires}"
             )
-        self.prepare()
-        self.group = mx.distributed.init(strict=self.launched(), backend=self.mlx_name)
+        if self.launched():
+            self.prepare()
+            self.group = mx.distributed.init(strict=True, backend=self.mlx_name)
+        else:  # a world of one needs no transport (and MPI_Init may already have run)
+            self.group = mx.distributed.init(strict=False, backend="ring")
         self.rank, self.size = self.group.rank(), self.group.size()
 
     def prepare(self):
-        """Set up what ``mx.distributed.init`` needs; raise if it cannot work."""
+        """Set up what ``mx.distributed.init`` needs in a launched job; raise if it cannot work."""
 
     def launched(self) -> bool:
         """Whether a launcher started this process as part of a job (else a world of one)."""
@@ -70,7 +73,7 @@ class MLXBackend(AbstractBackend):
         if op == "avg":
             return (self._sum(a) / self.size).astype(a.dtype)
         if op == "prod":
-            return mx.prod(self._gather(a[None]), axis=0)
+            return mx.prod(self._gather(a[None]), axis=0).astype(a.dtype)
         return _REDUCE[op](a.reshape(-1), group=self.group).reshape(a.shape)
 
     def _sum(self, a):
@@ -102,14 +105,13 @@ class RingBackend(MLXBackend):
         return "MLX_HOSTFILE" in os.environ
 
     def prepare(self):
-        if self.launched():
-            with open(os.environ["MLX_HOSTFILE"]) as f:
-                hosts = json.load(f)
-            if not 0 <= int(os.environ.get("MLX_RANK", -1)) < len(hosts):
-                raise BackendUnavailableError(
-                    f"RingBackend: MLX_RANK={os.environ.get('MLX_RANK')} is not a rank of the "
-                    f"{len(hosts)} hosts in MLX_HOSTFILE={os.environ['MLX_HOSTFILE']}"
-                )
+        with open(os.environ["MLX_HOSTFILE"]) as f:
+            hosts = json.load(f)
+        if not 0 <= int(os.environ.get("MLX_RANK", -1)) < len(hosts):
+            raise BackendUnavailableError(
+                f"RingBackend: MLX_RANK={os.environ.get('MLX_RANK')} is not a rank of the "
+                f"{len(hosts)} hosts in MLX_HOSTFILE={os.environ['MLX_HOSTFILE']}"
+            )
 
 
 class MLXMPIBackend(MLXBackend):

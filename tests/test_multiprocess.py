@@ -1,0 +1,22 @@
+"""Every file in tests/distributed/ under du-launch with 2, 3 and 4 processes on each backend."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from launching import launch
+
+FILES = sorted(p.name for p in (Path(__file__).parent / "distributed").glob("test_*.py"))
+WORLDS = [(backend, n) for backend in ("mpi", "ring", "mlx-mpi") for n in (2, 3, 4)]
+
+
+@pytest.mark.parametrize("file", FILES)
+@pytest.mark.parametrize("backend,n", WORLDS, ids=[f"{b}-{n}" for b, n in WORLDS])
+def test_under_launcher(backend, n, file):
+    run = launch(n, backend, ["python", "-m", "pytest", "-q", f"tests/distributed/{file}"])
+    summaries = re.findall(r"^\[rank (\d+)\] (?:=+ )?(.*) in [\d.]+s", run.stdout, re.M)
+    assert run.returncode == 0, run.stdout
+    assert sorted(int(r) for r, _ in summaries) == list(range(n)), run.stdout
+    for _, summary in summaries:
+        assert "passed" in summary and "failed" not in summary, run.stdout
