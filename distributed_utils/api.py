@@ -180,7 +180,7 @@ _NUMPY_DTYPES = {np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np
 def _check_array(x):
     """``x`` if its dtype can travel on every backend, else a TypeError naming it."""
     if isinstance(x, np.ndarray) and x.dtype not in _NUMPY_DTYPES:
-        raise TypeError(f"arrays of dtype {x.dtype} are not supported; use one of {_DTYPES}")
+        raise TypeError(f"dtype {x.dtype} is not supported; use one of {_DTYPES}")
     return x
 
 

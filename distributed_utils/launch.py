@@ -63,8 +63,12 @@ def parse_args(argv):
 
 def read_hostfile(path, n):
     """One entry per rank, in rank order: each host repeated ``slots`` times, cycled to ``n``."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise SystemExit(f"du-launch: cannot read hostfile {path}: {e.strerror}") from None
     hosts = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for lineno, line in enumerate(lines, 1):
         words = line.split("#")[0].split()
         if not words:
             continue

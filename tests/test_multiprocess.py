@@ -14,7 +14,7 @@ WORLDS = [(backend, n) for backend in ("mpi", "ring", "mlx-mpi") for n in (2, 3,
 @pytest.mark.parametrize("file", FILES)
 @pytest.mark.parametrize("backend,n", WORLDS, ids=[f"{b}-{n}" for b, n in WORLDS])
 def test_under_launcher(backend, n, file):
-    run = launch(n, backend, ["python", "-m", "pytest", "-q", f"tests/distributed/{file}"])
+    run = launch(n, backend, ["python", "-m", "pytest", "-q", "--color=no", f"tests/distributed/{file}"])
     summaries = re.findall(r"^\[rank (\d+)\] (?:=+ )?(.*) in [\d.]+s", run.stdout, re.M)
     assert run.returncode == 0, run.stdout
     assert sorted(int(r) for r, _ in summaries) == list(range(n)), run.stdout

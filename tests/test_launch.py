@@ -1,0 +1,123 @@
+"""du-launch as a user runs it: results, rank prefixes, exit codes, concurrent jobs, bad arguments."""
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from launching import ROOT, launch
+
+BACKENDS = ["mpi", "ring", "mlx-mpi"]
+
+REPORT = """
+import distributed_utils as du
+b = du.initialize()
+r, n = du.local_rank(b), du.total_workers(b)
+total = du.allreduce(b, r + 1, "sum")
+assert total == n * (n + 1) // 2, total
+print(f"{type(b).__name__} rank {r} of {n} total {total}")
+"""
+
+FAIL_ON_RANK_1 = """
+import sys, distributed_utils as du
+b = du.initialize()
+if du.local_rank(b) == 1:
+    sys.exit(7)
+du.barrier(b)  # the other ranks wait here for rank 1, which never comes
+"""
+
+RAISE_ON_LAST = """
+import distributed_utils as du
+b = du.initialize()
+if du.local_rank(b) == du.total_workers(b) - 1:
+    raise RuntimeError("deliberate failure")
+du.barrier(b)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_every_rank_runs_and_prefixes_its_output(backend, n):
+    run = launch(n, backend, ["python", "-c", REPORT], timeout=120)
+    assert run.returncode == 0, run.stdout
+    name = {"mpi": "MPIBackend", "ring": "RingBackend", "mlx-mpi": "MLXMPIBackend"}[backend]
+    for r in range(n):
+        assert f"[rank {r}] {name} rank {r} of {n} total {n * (n + 1) // 2}" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failing_rank_fails_the_job_instead_of_hanging(backend):
+    run = launch(3, backend, ["python", "-c", FAIL_ON_RANK_1], timeout=60)
+    assert run.returncode == 7, run.stdout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_exception_fails_the_job_with_its_traceback(backend):
+    run = launch(2, backend, ["python", "-c", RAISE_ON_LAST], timeout=60)
+    assert run.returncode == 1, run.stdout
+    assert "[rank 1] RuntimeError: deliberate failure" in run.stdout
+
+
+def test_ring_names_the_failed_rank():
+    run = launch(3, "ring", ["python", "-c", FAIL_ON_RANK_1], timeout=60)
+    assert "du-launch: rank 1 exited with code 7; stopping the other ranks" in run.stdout
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_two_jobs_at_once_do_not_cross_connect(backend):
+    """Each job sums its own job-specific value; a cross-connection would mix the sums
+    (or fail the job-id handshake)."""
+    code = (
+        "import sys, distributed_utils as du; b = du.initialize(); v = int(sys.argv[1]);"
+        "s = du.allreduce(b, v, 'sum'); assert s == v * du.total_workers(b), s; print('sum', s)"
+    )
+    results = {}
+
+    def job(value):
+        results[value] = launch(2, backend, ["python", "-c", code, str(value)], timeout=120)
+
+    threads = [threading.Thread(target=job, args=(v,)) for v in (1000, 2000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for value, run in results.items():
+        assert run.returncode == 0, run.stdout
+        assert run.stdout.count(f"sum {2 * value}") == 2, run.stdout
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["-n", "0", "python", "-c", "pass"], "-n must be at least 1"),
+        (["-n", "2"], "no command given"),
+        (["-n", "2", "--backend", "tcp", "python"], "invalid choice: 'tcp'"),
+        (["--hostfile", "/nonexistent/hosts", "python", "-c", "pass"], "No such file"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(args, words):
+    run = subprocess.run([sys.executable, "-m", "distributed_utils.launch", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode != 0
+    assert words in run.stderr + run.stdout
+
+
+def test_hostfile_slots_give_the_rank_count(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# this machine, twice\n127.0.0.1 slots=2\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "distributed_utils.launch", "--backend", "ring", "--hostfile", str(hostfile),
+         "python", "-c", REPORT],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "[rank 1] RingBackend rank 1 of 2 total 3" in run.stdout
+
+
+def test_a_hostfile_line_that_is_not_a_host_is_an_error(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1 slots=two\n")
+    run = subprocess.run([sys.executable, "-m", "distributed_utils.launch", "--hostfile", str(hostfile),
+                          "python", "-c", "pass"], cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode != 0 and f"{hostfile}:1: expected 'HOST [slots=K]'" in run.stderr
