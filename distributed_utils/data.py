@@ -119,8 +119,9 @@ class DistributedDataContainer:
         non-numbers stays a list). Every rank yields the same number of batches, of the same
         sizes, so every rank runs the same number of steps.
 
-        Sized data (see ``epoch_indices``): each rank visits ``ceil(N / P)`` items, ranks one
-        short repeat one item, and the last batch may be smaller (same size on every rank);
+        Sized data (see ``epoch_indices``): each rank visits ``ceil(N / P)`` items (a rank
+        whose shard is one short repeats one item), and the last batch may be smaller (the
+        same size on every rank);
         with ``drop_last`` every batch is full and no item repeats (up to
         ``P * batch_size - 1`` items are skipped). ``shuffle`` draws one global permutation
         from ``(seed, epoch)``, the same on every rank, then shards it; ``epoch`` defaults to
@@ -149,8 +150,8 @@ class DistributedDataContainer:
 
     def _stream_batches(self, batch_size, drop_last, start):
         items = iter(self)
-        for _ in itertools.islice(items, start * batch_size):  # a rank that runs dry stops all below
-            pass
+        for _ in itertools.islice(items, start * batch_size):  # skipped locally: a rank that
+            pass  # runs dry here brings 0 to the first allreduce below, which stops every rank
         while True:
             chunk = list(itertools.islice(items, batch_size))
             k = allreduce(self.backend, len(chunk), "min")

