@@ -25,5 +25,9 @@ from .backends import (
     RingBackend,
 )
 from .data import DistributedDataContainer
+from .optimizer import DistributedOptimizer
+from .synchronize import synchronize
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .watchdog import CollectiveMismatchError, watch
 
 __version__ = "0.1.0"

@@ -1,7 +1,9 @@
 """initialize / get_distributed_backend and the collectives, for any backend.
 
 Every function here that takes a backend is collective: all ranks call it, in the
-same order, with arrays of the same shape and dtype.
+same order, with arrays of the same shape and dtype. Each runs under the watchdog
+(``watchdog.py``) and returns evaluated arrays, except inside ``mx.compile``/``vmap``
+where MLX results stay lazy.
 """
 
 import operator
@@ -10,6 +12,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
+from . import watchdog
 from .backends import BY_LAUNCH_NAME, OPS, AbstractBackend, MLXBackend, RingBackend
 
 #: Lux's ``DistributedUtils.avg``: the averaging reduction op.
@@ -26,18 +29,23 @@ _OP_ALIASES = {
 _DTYPES = ", ".join(["bool", "(u)int8-64", "float16", "bfloat16", "float32", "float64", "complex64"])
 
 
-def initialize(backend_type=None, **kwargs) -> AbstractBackend:
+def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> AbstractBackend:
     """Start ``backend_type`` (a class such as ``du.MPIBackend``) in this process; collective.
 
     Idempotent: later calls return the backend started first. With no argument, the
     backend that ``du-launch`` started (or MPI under ``mpirun``, else a world of one).
+    ``timeout``: seconds after which a collective that has not finished ends the job
+    (default ``DU_TIMEOUT``, else 300; 0: never); ``debug``: check every collective's
+    op, shapes and dtypes across ranks first (default ``DU_DEBUG``). Pass the same on every rank.
     """
     if backend_type is None:
         backend_type = launched_backend_type()
     _check_backend_type(backend_type)
+    watchdog.configure(timeout, debug)
     if backend_type not in _BACKENDS:
-        backend = backend_type(**kwargs)
-        backend.handshake()
+        with watchdog.connecting(f"initialize({backend_type.__name__})"):
+            backend = backend_type(**kwargs)
+            backend.handshake()
         _BACKENDS[backend_type] = backend
     return _BACKENDS[backend_type]
 
@@ -91,7 +99,8 @@ def bcast(backend, x, root: int = 0):
     rank; anything else (scalars, str, None, picklable objects) is sent whole from root."""
     _check_root(backend, root)
     if _is_array(x):
-        return backend.bcast(_check_array(x), root)
+        with watchdog.collective(backend, "bcast", (_check_array(x), root)):
+            return _evaluated(backend.bcast(x, root))
     return backend.bcast_object(x, root)
 
 
@@ -102,7 +111,8 @@ def allreduce(backend, x, op):
     op = _op_name(op)
     arr, back = _as_array(_check_backend(backend), x)
     _check_op_dtype(op, arr.dtype)
-    return back(backend.allreduce(arr, op))
+    with watchdog.collective(backend, "allreduce", (arr, op)):
+        return back(_evaluated(backend.allreduce(arr, op)))
 
 
 def reduce(backend, x, op, root: int = 0):
@@ -116,13 +126,26 @@ def allgather(backend, x):
     become a 1-d array of length total_workers). Anything else: a list of every rank's ``x``."""
     _check_backend(backend)
     if _is_array(x):
-        return backend.allgather(_check_array(x))
+        with watchdog.collective(backend, "allgather", (_check_array(x),)):
+            return _evaluated(backend.allgather(x))
     return backend.allgather_object(x)
 
 
 def barrier(backend):
     """Returns on each rank once every rank has reached it."""
     _check_backend(backend).barrier()
+
+
+def _evaluated(out):
+    """``out``, evaluated (inside the caller's watched region) unless MLX is tracing a
+    function (``mx.compile``, ``vmap``), where it must stay a lazy graph node."""
+    if isinstance(out, mx.array):
+        try:
+            mx.eval(out)
+        except ValueError as e:
+            if "function transformations" not in str(e):
+                raise
+    return out
 
 
 def _check_backend_type(backend_type):

@@ -4,7 +4,8 @@
     python -m distributed_utils.launch -n 2 --backend mpi --hostfile hosts python train.py
 
 Every output line is prefixed with its rank. When a rank fails, the others are stopped
-and the launcher exits with that rank's code (128 + signal for a killed rank).
+and the launcher names it and exits with its code (128 + signal for a killed rank; 124 when
+the watchdog ended a rank stuck in a collective).
 """
 
 import argparse
@@ -26,14 +27,19 @@ from .backends.mpi_library import libmpi_path
 
 BACKENDS = ("mpi", "ring", "mlx-mpi")
 GRACE_SECONDS = 3  # between SIGTERM and SIGKILL for the ranks left when one failed
+MPIRUN_GRACE = 10  # for mpirun to end the job once a rank failed (it may wait on a lost host)
+PROBE_SECONDS = 30  # for a remote host to run `true` through the remote shell
+DEFAULT_REMOTE_SHELL = "ssh {host}"
+WATCHDOG_EXIT = 124  # watchdog.EXIT_CODE (not imported: the launcher does not load MLX)
 
 
 def main(argv=None):
     args = parse_args(argv)
     hosts = read_hostfile(args.hostfile, args.n) if args.hostfile else ["127.0.0.1"] * args.n
-    env = job_environment(args.backend, len(hosts))
+    env = job_environment(args.backend, len(hosts), args.timeout, args.debug)
+    check_reachable(hosts, args.remote_shell)
     if args.backend == "ring":
-        code = run_ring(hosts, args.command, env, args.remote_shell)
+        code = run_ring(hosts, args.command, env, args.remote_shell, args.port)
     else:
         code = run_mpirun(hosts, args, env)
     sys.exit(code)
@@ -45,9 +51,13 @@ def parse_args(argv):
     p.add_argument("--backend", choices=BACKENDS, default="mpi", help="transport (default: mpi)")
     p.add_argument("--hostfile", help="lines of 'HOST [slots=K]'; default: this machine")
     p.add_argument(
-        "--remote-shell", default="ssh {host}",
-        help="ring only: prefix that runs a command on a host that is not this machine (default: 'ssh {host}')",
+        "--remote-shell", default=DEFAULT_REMOTE_SHELL,
+        help="prefix that runs a command on a host that is not this machine (default: 'ssh {host}'; "
+        "for mpi it must end with {host}: it becomes mpirun's ssh agent)",
     )  # fmt: skip
+    p.add_argument("--port", type=int, help="ring: rank r listens on port PORT + r (default: free ports)")
+    p.add_argument("--timeout", type=float, help="seconds before the watchdog ends a stuck job (DU_TIMEOUT)")
+    p.add_argument("--debug", action="store_true", help="check every collective across ranks first (DU_DEBUG=1)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program every rank runs")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -58,6 +68,12 @@ def parse_args(argv):
         p.error(f"-n must be at least 1, got {args.n}")
     if args.n is None:
         args.n = None if args.hostfile else 1
+    if args.port is not None and not 0 < args.port < 65536:
+        p.error(f"--port must be a port number, got {args.port}")
+    if args.timeout is not None and not args.timeout >= 0:
+        p.error(f"--timeout must be >= 0 seconds (0: never), got {args.timeout}")
+    if args.backend != "ring" and not args.remote_shell.rstrip().endswith("{host}"):
+        p.error("with --backend mpi or mlx-mpi, --remote-shell must end with {host}: mpirun appends the command")
     return args
 
 
@@ -85,9 +101,10 @@ def read_hostfile(path, n):
     return [hosts[i % len(hosts)] for i in range(n)]
 
 
-def job_environment(backend, world_size):
+def job_environment(backend, world_size, timeout=None, debug=False):
     """What every rank's environment gets on top of the launcher's own."""
     env = {
+        **{k: os.environ[k] for k in ("DU_TIMEOUT", "DU_DEBUG") if k in os.environ},
         "DU_BACKEND": backend,
         "DU_WORLD_SIZE": str(world_size),
         "DU_JOB_ID": uuid.uuid4().hex,
@@ -95,6 +112,10 @@ def job_environment(backend, world_size):
         # so that `python` in the command is the interpreter that runs du-launch
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
     }
+    if timeout is not None:
+        env["DU_TIMEOUT"] = str(timeout)
+    if debug:
+        env["DU_DEBUG"] = "1"
     if backend == "mlx-mpi" or backend == "mpi":
         lib = os.environ.get("MLX_MPI_LIBNAME") or libmpi_path()
         if lib:  # without it MLX's MPI backend silently runs every rank as a world of one
@@ -105,9 +126,39 @@ def job_environment(backend, world_size):
 # --- ring: the launcher starts every process itself ------------------------------------
 
 
-def run_ring(hosts, command, env, remote_shell):
+def check_reachable(hosts, remote_shell):
+    """Exit with a clear error unless every host that is not this machine runs ``true``
+    through the remote shell within PROBE_SECONDS (instead of a job that hangs connecting)."""
+    remote = [h for h in dict.fromkeys(hosts) if not is_local(resolve(h))]
+    errors = {}
+
+    def probe(host):
+        argv = shlex.split(remote_shell.format(host=host)) + ["true"]
+        try:
+            run = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_SECONDS, stdin=subprocess.DEVNULL)
+            if run.returncode != 0:
+                errors[host] = (run.stderr.strip().splitlines() or [f"exit code {run.returncode}"])[-1]
+        except subprocess.TimeoutExpired:
+            errors[host] = f"no answer within {PROBE_SECONDS} s"
+        except FileNotFoundError as e:
+            errors[host] = f"cannot run {argv[0]!r}: {e.strerror}"
+
+    threads = [threading.Thread(target=probe, args=(h,)) for h in remote]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for host, reason in errors.items():
+        ranks = [r for r, h in enumerate(hosts) if h == host]
+        raise SystemExit(
+            f"du-launch: host {host} (ranks {ranks}) is unreachable: "
+            f"`{remote_shell.format(host=host)} true` failed: {reason}"
+        )
+
+
+def run_ring(hosts, command, env, remote_shell, port=None):
     ips = [resolve(h) for h in hosts]
-    ports = free_ports(ips)
+    ports = fixed_ports(ips, port) if port is not None else free_ports(ips)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="du-ring-") as hostfile:
         json.dump([[f"{ip}:{port}"] for ip, port in zip(ips, ports)], hostfile)
         hostfile.flush()
@@ -123,7 +174,7 @@ def run_ring(hosts, command, env, remote_shell):
                 remote = f"cd {shlex.quote(os.getcwd())} && env {exports} {shlex.join(command)}"
                 argv, popen_env = shlex.split(remote_shell.format(host=host)) + [remote], None
             procs.append(spawn(argv, popen_env))
-        return supervise(procs)
+        return supervise(procs, len(hosts))
 
 
 def resolve(host):
@@ -159,6 +210,28 @@ def free_ports(ips):
             s.close()
 
 
+def fixed_ports(ips, base):
+    """Port ``base + rank`` for every rank; a clear error for one already in use here."""
+    ports = [base + rank for rank in range(len(ips))]
+    if ports[-1] > 65535:
+        raise SystemExit(f"du-launch: --port {base} leaves no port for rank {65535 - base + 1}")
+    for rank, (ip, port) in enumerate(zip(ips, ports)):
+        if is_local(ip) and not port_free(ip, port):
+            raise SystemExit(f"du-launch: port {port} on {ip} (rank {rank}) is already in use; choose another --port")
+    return ports
+
+
+def port_free(ip, port) -> bool:
+    """Whether a listening socket could bind ``ip:port`` now (as MLX's ring does: SO_REUSEADDR)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+            return True
+        except OSError:
+            return False
+
+
 # --- mpi and mlx-mpi: mpirun starts the processes -------------------------------------
 
 
@@ -171,10 +244,12 @@ def run_mpirun(hosts, args, env):
         cmd += ["--mca", "mpi_yield_when_idle", "1"]
     if args.hostfile:
         cmd += ["--hostfile", args.hostfile]
+    if args.remote_shell != DEFAULT_REMOTE_SHELL:  # mpirun runs AGENT HOST COMMAND...
+        cmd += ["--mca", "plm_ssh_agent", args.remote_shell.rstrip().removesuffix("{host}").strip()]
     for key in env:
         cmd += ["-x", key]
     proc = spawn(cmd + abort_on_failure(args.command), {**os.environ, **env})
-    return supervise([proc], tagged=True)
+    return supervise([proc], len(hosts), tagged=True)
 
 
 def abort_on_failure(command):
@@ -211,30 +286,64 @@ def spawn(argv, env):
 
 
 _TAG = re.compile(rb"^\[\d+,(\d+)\]<std(?:out|err)>: ?")
+_WATCHDOG = re.compile(rb"^du watchdog: rank (\d+):")
+# mpirun's own report of the rank that ended the job (the lines it prints untagged)
+_MPIRUN_RANK = re.compile(rb"process rank (\d+)|Process name: \[\S+,(\d+)\]")
+_MPIRUN_SIGNAL = re.compile(rb"^signal (\d+) \(")
 _print_lock = threading.Lock()
 
 
-def forward(stream, out, rank):
+class Report:
+    """What the output says about how the job ends: which ranks the watchdog stopped, and
+    (for mpirun, which supervises the ranks itself) which rank failed and how."""
+
+    def __init__(self):
+        self.watchdog = set()
+        self.failed_rank = self.signal = None
+        self.failure = threading.Event()
+
+    def scan(self, line, rank, tagged_line):
+        m = _WATCHDOG.match(line)
+        if m:
+            self.watchdog.add(int(m.group(1)))
+            self.failure.set()
+        if tagged_line:
+            return
+        m = _MPIRUN_RANK.search(line)
+        if m and self.failed_rank is None:
+            self.failed_rank = int(m.group(1) or m.group(2))
+            self.failure.set()
+        m = _MPIRUN_SIGNAL.match(line)
+        if m and self.signal is None:
+            self.signal = int(m.group(1))
+
+
+def forward(stream, out, rank, report):
     """Copy ``stream`` to ``out`` line by line, each line prefixed with its rank
-    (``rank=None``: the rank comes from mpirun's ``--output tag`` prefix)."""
+    (``rank=None``: the rank comes from mpirun's ``--output tag`` prefix), and scan it."""
     for line in iter(stream.readline, b""):
+        tagged = True
         if rank is None:
             m = _TAG.match(line)
+            tagged = bool(m)
             prefix = b"[rank %s] " % m.group(1) if m else b""
             line = line[m.end():] if m else line
         else:
             prefix = b"[rank %d] " % rank
+        report.scan(line, rank, tagged)
         with _print_lock:
             out.write(prefix + line)
             out.flush()
 
 
-def supervise(procs, tagged=False):
-    """Wait for every process; when one fails, stop the rest. Returns the job's exit code."""
+def supervise(procs, world_size, tagged=False):
+    """Wait for every process; when one fails, stop the rest. Returns the job's exit code.
+    ``tagged``: ``procs`` is one mpirun, which stops the ranks itself (given MPIRUN_GRACE)."""
+    report = Report()
     threads = []
     for rank, p in enumerate(procs):
         for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
-            t = threading.Thread(target=forward, args=(stream, out, None if tagged else rank), daemon=True)
+            t = threading.Thread(target=forward, args=(stream, out, None if tagged else rank, report), daemon=True)
             t.start()
             threads.append(t)
     done = threading.Event()
@@ -249,21 +358,59 @@ def supervise(procs, tagged=False):
     for rank, p in enumerate(procs):
         threading.Thread(target=wait, args=(rank, p), daemon=True).start()
     forward_signals(procs)
-    while any(p.poll() is None for p in procs) and not first_failure:
-        done.wait()
-        done.clear()
-    if first_failure:
-        rank, code = first_failure[0]
-        if not tagged:
-            what = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            log(f"rank {rank} {what}; stopping the other ranks")
-        stop(procs)
+    if tagged:
+        code = wait_mpirun(procs[0], report)
+    else:
+        while any(p.poll() is None for p in procs) and not first_failure:
+            done.wait()
+            done.clear()
+        code = 0
+        if first_failure:
+            rank, code = first_failure[0]
+            log(f"rank {rank} {how_it_ended(code)}; stopping the other ranks")
+            stop(procs)
+            code = 128 - code if code < 0 else code
     for t in threads:
         t.join(timeout=GRACE_SECONDS)
-    if not first_failure:
-        return 0
-    code = first_failure[0][1]
-    return 128 - code if code < 0 else code
+    if report.watchdog:
+        log(watchdog_summary(report.watchdog, world_size))
+    return code
+
+
+def wait_mpirun(proc, report):
+    """mpirun's exit code, naming the failed rank from its report; stops an mpirun that has
+    not ended the job MPIRUN_GRACE seconds after a rank failed (a host it cannot reach)."""
+    while proc.poll() is None:
+        if report.failure.wait(timeout=1):
+            try:
+                proc.wait(timeout=MPIRUN_GRACE)
+            except subprocess.TimeoutExpired:
+                log(f"mpirun has not ended the job {MPIRUN_GRACE} s after a rank failed; stopping it")
+                stop([proc])
+                return WATCHDOG_EXIT if report.watchdog else 1
+    code = proc.returncode
+    code = 128 - code if code < 0 else code
+    if code and report.failed_rank is not None:
+        how = how_it_ended(-report.signal if report.signal else code)
+        log(f"rank {report.failed_rank} {how}; mpirun stopped the other ranks")
+    return code
+
+
+def how_it_ended(code) -> str:
+    """``code`` from Popen.returncode: negative for a signal."""
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    if code == WATCHDOG_EXIT:
+        return f"exited with code {code} (the watchdog's: stuck past the timeout)"
+    return f"exited with code {code}"
+
+
+def watchdog_summary(stopped, world_size) -> str:
+    others = sorted(set(range(world_size)) - stopped)
+    text = f"the watchdog ended the job: ranks {sorted(stopped)} waited past the timeout (see their reports)"
+    if others:
+        text += f"; ranks {others} did not report waiting: they are behind, stuck elsewhere, or failed otherwise"
+    return text
 
 
 def stop(procs):

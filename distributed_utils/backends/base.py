@@ -1,13 +1,20 @@
 """The primitives every transport implements; everything above `backends/` uses only these."""
 
 import abc
+import functools
 import os
 import pickle
 import socket
 
+import mlx.core as mx
 import numpy as np
 
+from .. import watchdog
+
 OPS = ("sum", "avg", "max", "min", "prod")
+
+#: The primitives that run under the watchdog (in every subclass that defines them).
+COLLECTIVES = ("allreduce", "allreduce_arrays", "bcast", "bcast_object", "allgather", "allgather_object", "barrier")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -30,6 +37,12 @@ class AbstractBackend(abc.ABC):
     #: This process's rank among the processes on its host; set by ``handshake``.
     node_rank: int = 0
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in COLLECTIVES:
+            if name in cls.__dict__:
+                setattr(cls, name, _watched(name, cls.__dict__[name]))
+
     @abc.abstractmethod
     def allreduce(self, x, op: str):
         """Elementwise reduction of ``x`` over all ranks; ``op`` is one of ``OPS``."""
@@ -51,12 +64,22 @@ class AbstractBackend(abc.ABC):
         return [self.allreduce(a, op) for a in arrays]
 
     def bcast_object(self, obj, root: int):
-        """Root's picklable ``obj`` on every rank."""
-        payload = _to_bytes(obj) if self.rank == root else np.empty(0, np.uint8)
+        """Root's picklable ``obj`` on every rank; if root cannot pickle it, every rank raises."""
+        payload, error = np.empty(0, np.uint8), None
+        if self.rank == root:
+            try:
+                payload = _to_bytes(obj)
+            except Exception as e:  # tell the other ranks rather than leave them waiting
+                payload, error = _to_bytes(_Unpicklable(f"{type(e).__name__}: {e}")), e
         n = self.bcast(np.array([payload.size], np.int64), root)[0]
         if self.rank != root:
             payload = np.empty(int(n), np.uint8)
-        return pickle.loads(self.bcast(payload, root).tobytes())
+        received = pickle.loads(self.bcast(payload, root).tobytes())
+        if error is not None:
+            raise error
+        if isinstance(received, _Unpicklable):
+            raise TypeError(f"rank {root} could not pickle the object it broadcasts ({received.reason})")
+        return received
 
     def allgather_object(self, obj) -> list:
         """The list of every rank's picklable ``obj``, in rank order."""
@@ -93,5 +116,35 @@ class AbstractBackend(abc.ABC):
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 
 
+def _watched(name, method):
+    """``method`` run as one watched collective (see ``watchdog``); nested calls are part of it."""
+    if getattr(method, "_du_watched", False) or getattr(method, "__isabstractmethod__", False):
+        return method
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with watchdog.collective(self, name, args):
+            return method(self, *args, **kwargs)
+
+    run._du_watched = True
+    return run
+
+
+for _name in COLLECTIVES:
+    setattr(AbstractBackend, _name, _watched(_name, AbstractBackend.__dict__[_name]))
+
+
+def mx_from_numpy(a: np.ndarray) -> mx.array:
+    """A copy of ``a`` as an mx.array of the same dtype (``mx.array`` alone makes float64 float32)."""
+    return mx.array(a, dtype=getattr(mx, a.dtype.name.replace("bool", "bool_")))
+
+
 def _to_bytes(obj) -> np.ndarray:
     return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+
+
+class _Unpicklable:
+    """What root broadcasts in place of an object it cannot pickle."""
+
+    def __init__(self, reason: str):
+        self.reason = reason

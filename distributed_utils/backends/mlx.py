@@ -8,11 +8,12 @@ prod gathers and multiplies, and bools travel as bytes (MPI aborts on bool reduc
 
 import json
 import os
+import socket
 
 import mlx.core as mx
 import numpy as np
 
-from .base import AbstractBackend, BackendUnavailableError
+from .base import AbstractBackend, BackendUnavailableError, mx_from_numpy
 from .mpi_library import launched_by_mpirun, start_mlx_mpi
 
 _BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
@@ -49,6 +50,18 @@ class MLXBackend(AbstractBackend):
 
     def allreduce(self, x, op):
         return _keep_kind(x, lambda a: self._allreduce(a, op))
+
+    def allreduce_arrays(self, arrays, op, in_place=False):
+        """Lazy, like ``allreduce``. "avg" of a float array scales before the sum: all_sum copies
+        an input it cannot overwrite, and the scaling is that copy. ``in_place`` changes nothing
+        (MLX reuses the buffers of temporaries by itself)."""
+        if op != "avg" or self.size == 1:
+            return super().allreduce_arrays(arrays, op)
+        scale = 1 / self.size
+        return [
+            _keep_kind(a, lambda x: self._allreduce(x * scale, "sum")) if _inexact(a) else self.allreduce(a, op)
+            for a in arrays
+        ]
 
     def bcast(self, x, root):
         def run(a):
@@ -88,10 +101,14 @@ class MLXBackend(AbstractBackend):
         return mx.distributed.all_gather(flat, group=self.group)
 
 
+def _inexact(a) -> bool:
+    return a.dtype.kind in "fc" if isinstance(a, np.ndarray) else mx.issubdtype(a.dtype, mx.inexact)
+
+
 def _keep_kind(x, fn):
     """Apply ``fn`` to ``x`` as an ``mx.array``; give a numpy array back for a numpy input."""
     if isinstance(x, np.ndarray):
-        return np.array(fn(mx.array(x)))
+        return np.array(fn(mx_from_numpy(x)))
     return fn(x)
 
 
@@ -112,6 +129,26 @@ class RingBackend(MLXBackend):
                 f"RingBackend: MLX_RANK={os.environ.get('MLX_RANK')} is not a rank of the "
                 f"{len(hosts)} hosts in MLX_HOSTFILE={os.environ['MLX_HOSTFILE']}"
             )
+        rank = int(os.environ["MLX_RANK"])
+        for address in hosts[rank]:  # MLX would only say "Couldn't bind socket (error: 98)"
+            ip, _, port = address.rpartition(":")
+            error = _listen_error(ip, int(port))
+            if error:
+                raise BackendUnavailableError(
+                    f"RingBackend: rank {rank} cannot listen on {address} (from MLX_HOSTFILE): {error}"
+                    + (": another program or job holds the port" if "in use" in error else "")
+                )
+
+
+def _listen_error(ip, port):
+    """Why a listening socket cannot bind ``ip:port`` (as MLX's ring binds), or None."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 class MLXMPIBackend(MLXBackend):

@@ -104,6 +104,16 @@ def test_zero_d_empty_numpy_and_scalars(backend):
     du.barrier(backend)
 
 
+def test_float64_keeps_its_precision(backend):
+    """float64 (numpy and Python floats) must not be rounded through float32 on any backend."""
+    size = du.total_workers(backend)
+    x = np.array([0.1, 1 + 2**-40])
+    out = du.allreduce(backend, x, "sum")
+    assert out.dtype == np.float64 and np.array_equal(out, sum([x] * size))
+    assert du.allreduce(backend, 1 + 2**-40, "max") == 1 + 2**-40
+    assert np.array_equal(du.bcast(backend, x), x) and du.allgather(backend, x).dtype == np.float64
+
+
 def test_ranks(backend):
     rank, size = du.local_rank(backend), du.total_workers(backend)
     assert 0 <= rank < size

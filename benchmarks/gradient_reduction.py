@@ -1,0 +1,127 @@
+"""Averaging a language model's gradients across ranks, four ways, side by side.
+
+    python -m distributed_utils.launch -n 2 --backend mpi python benchmarks/gradient_reduction.py
+    (also --backend ring and --backend mlx-mpi; options: --reps 10 --warmup 3 --extra)
+
+The gradient tree has the parameter shapes of a small Llama (4 layers, dim 256, MLP 512, 4 heads,
+vocabulary 50257 with an untied LM head: 28.4M float32 values, 113 MB in 39 arrays), random and
+different on every rank. Timed, each one evaluated to the end, median of --reps runs after
+--warmup (the methods take turns, so background load hits them alike; a barrier precedes each run):
+
+  (a) per-leaf      one collective per array: mx.distributed.all_sum (MLX backends) or
+                    du.allreduce(backend, g, "sum") (MPIBackend); a sum, not yet divided by N
+  (b) average_grads mlx.nn.average_gradients(grads, group=...): MLX's bucketed concatenate /
+                    all_sum / split. MPIBackend has no mx group, so (b) runs on MLX's own MPI
+                    backend, started in the same processes (du.MLXMPIBackend): the same Open MPI
+  (c) DistributedOptimizer(backend, SGD).reduce_gradients(grads), default options
+  (d) lower bound   one all-reduce of one flat buffer of the same bytes, sum: MPI's in-place
+                    Allreduce on a numpy buffer; all_sum of one flat mx.array
+
+busbw follows nccl-tests: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n.
+--extra adds rows for (c) with other bucket sizes and with compression.
+"""
+
+import argparse
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+import distributed_utils as du
+
+
+def llama_gradients(rank, layers=4, dim=256, mlp=512, vocab=50257):
+    """A gradient tree shaped like a small Llama's parameters (mlx-lm's names), rank-dependent."""
+    key = mx.random.key(rank)
+
+    def g(*shape):
+        nonlocal key
+        key, sub = mx.random.split(key)
+        return mx.random.normal(shape, key=sub)
+
+    layer = lambda: {  # noqa: E731
+        "self_attn": {p: {"weight": g(dim, dim)} for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+        "mlp": {"gate_proj": {"weight": g(mlp, dim)}, "up_proj": {"weight": g(mlp, dim)},
+                "down_proj": {"weight": g(dim, mlp)}},
+        "input_layernorm": {"weight": g(dim)}, "post_attention_layernorm": {"weight": g(dim)},
+    }  # fmt: skip
+    tree = {"model": {"embed_tokens": {"weight": g(vocab, dim)}, "layers": [layer() for _ in range(layers)],
+                      "norm": {"weight": g(dim)}}, "lm_head": {"weight": g(vocab, dim)}}  # fmt: skip
+    mx.eval(tree)
+    return tree
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--extra", action="store_true", help="also (c) with other bucket sizes and compression")
+    args = parser.parse_args()
+
+    backend = du.initialize()
+    n, rank = du.total_workers(backend), du.local_rank(backend)
+    mlx_backend = backend if isinstance(backend, du.MLXBackend) else du.initialize(du.MLXMPIBackend)
+    group = mlx_backend.group
+    grads = llama_gradients(rank)
+    leaves = [a for _, a in tree_flatten(grads)]
+    nbytes = sum(a.nbytes for a in leaves)
+
+    if isinstance(backend, du.MPIBackend):
+        from mpi4py import MPI
+
+        flat = np.random.default_rng(rank).standard_normal(nbytes // 4).astype(np.float32)
+        per_leaf = lambda: [du.allreduce(backend, a, "sum") for a in leaves]  # noqa: E731
+        lower_bound = lambda: backend.comm.Allreduce(MPI.IN_PLACE, flat)  # noqa: E731
+    else:
+        flat = mx.random.normal((nbytes // 4,), key=mx.random.key(rank))
+        mx.eval(flat)
+        per_leaf = lambda: [mx.distributed.all_sum(a, group=group) for a in leaves]  # noqa: E731
+        lower_bound = lambda: mx.distributed.all_sum(flat, group=group)  # noqa: E731
+
+    opt = du.DistributedOptimizer(backend, optim.SGD(0.1))
+    methods = {
+        "(a) per-leaf all_sum": per_leaf,
+        "(b) nn.average_gradients": lambda: nn.average_gradients(grads, group=group),
+        "(c) DistributedOptimizer": lambda: opt.reduce_gradients(grads),
+        "(d) one flat all-reduce": lower_bound,
+    }
+    if args.extra:
+        for label, kw in [("bucket_bytes=0", {"bucket_bytes": 0}), ("bucket_bytes=1MiB", {"bucket_bytes": 2**20}),
+                          ("bucket_bytes=32MiB", {"bucket_bytes": 2**25}), ("float16", {"compression": mx.float16}),
+                          ("bfloat16", {"compression": mx.bfloat16})]:  # fmt: skip
+            methods[f"(c) {label}"] = (lambda o: lambda: o.reduce_gradients(grads))(du.DistributedOptimizer(backend, optim.SGD(0.1), **kw))
+
+    times = {name: [] for name in methods}
+    for rep in range(args.warmup + args.reps):
+        for name, run in methods.items():
+            du.barrier(backend)
+            start = time.perf_counter()
+            result = run()
+            if result is not None:
+                mx.eval(result)
+            if rep >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+
+    med = {name: float(np.median(t)) for name, t in times.items()}
+    # every rank must agree before rank 0 reports: take the slowest rank's median
+    med = {name: du.allreduce(backend, m, "max") for name, m in med.items()}
+    if rank != 0:
+        return
+    cache_limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(cache_limit)
+    print(f"{type(backend).__name__}, {n} processes, {len(leaves)} arrays, {nbytes / 1e6:.1f} MB float32, "
+          f"median of {args.reps} after {args.warmup} warmup (slowest rank); MLX cache limit now "
+          f"{cache_limit / 2**20:.0f} MiB")  # fmt: skip
+    print(f"{'method':34s} {'ms':>9s} {'algbw GB/s':>11s} {'busbw GB/s':>11s}")
+    for name, t in med.items():
+        algbw = nbytes / t / 1e9
+        print(f"{name:34s} {t * 1e3:9.2f} {algbw:11.2f} {algbw * 2 * (n - 1) / n:11.2f}")
+    a, b, c, d = (med[k] for k in list(methods)[:4])
+    print(f"c/d = {c / d:.3f}   c/b = {c / b:.3f}   a/c = {a / c:.3f}")
+
+
+if __name__ == "__main__":
+    main()

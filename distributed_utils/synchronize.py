@@ -1,0 +1,159 @@
+"""``du.synchronize``: root's arrays, trees, modules, optimizer states and objects on every rank."""
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+from mlx.nn import Module
+from mlx.optimizers import MultiOptimizer, Optimizer
+from mlx.utils import tree_flatten
+
+from .api import _check_root
+from .tree import TreeMismatchError, describe, verify_same_structure
+
+_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+_MX_DTYPES = {str(d): d for d in vars(mx).values() if isinstance(d, mx.Dtype)}  # mx dtypes do not pickle
+
+
+def synchronize(backend, x, root: int = 0, *, model=None):
+    """Collective: ``x`` with root's values, on every rank.
+
+    - ``mx.array`` and numpy arrays arrive bit for bit (numpy ones as new numpy arrays).
+    - Trees (dict, list, tuple, namedtuple) come back with root's containers and root's
+      non-array leaves: numbers, None, str, bytes or any picklable object.
+    - An ``nn.Module`` gets root's ``parameters()`` (frozen ones and buffers such as
+      BatchNorm's running statistics included) through ``update``, in place; it is returned.
+    - An ``Optimizer`` gets root's ``state`` (step, learning rate, every moment), in place; it
+      is returned. Its state must exist: ``opt.init(model.trainable_parameters())``, or pass
+      ``model=`` to have an uninitialized optimizer initialized from it first.
+
+    Every rank must hold arrays at the same keys with the same shapes and dtypes: otherwise
+    every rank raises ``TreeMismatchError`` naming the first differing key. The arrays travel
+    in one broadcast per item size (1, 2, 4 or 8 bytes), everything else in one pickle.
+    On root, and in a world of one, ``x`` itself is returned.
+    """
+    _check_root(backend, root)
+    what = f"du.synchronize({type(x).__name__})"
+    if isinstance(x, Optimizer):
+        return _synchronize_optimizer(backend, x, root, model, what)
+    if model is not None:
+        raise TypeError(f"{what}: model= is only for optimizers")
+    if isinstance(x, Module):
+        params = _synchronize_tree(backend, x.parameters(), root, what)
+        return x if backend.rank == root else x.update(params)
+    return _synchronize_tree(backend, x, root, what)
+
+
+def _synchronize_optimizer(backend, opt, root, model, what):
+    if model is not None and not _has_state(opt):
+        opt.init(model.trainable_parameters())
+    try:
+        state = _synchronize_tree(backend, opt.state, root, what)
+    except TreeMismatchError as e:
+        raise TreeMismatchError(
+            f"{e}. (An optimizer has per-parameter state only after its first update or "
+            "opt.init(model.trainable_parameters()); du.synchronize(backend, opt, model=model) does that.)"
+        ) from None
+    if not _has_state(opt):  # the same on every rank: their states have the same structure
+        raise ValueError(
+            f"{what}: the optimizer's state is not initialized, so there is nothing to synchronize "
+            "but its step; call opt.init(model.trainable_parameters()) first, or pass model=model"
+        )
+    if backend.rank != root:
+        opt.state = state
+    return opt
+
+
+def _has_state(opt) -> bool:
+    """Whether ``opt.state`` holds per-parameter entries (it does after ``init`` or an update)."""
+    if isinstance(opt, MultiOptimizer):
+        return all(_has_state(o) for o in opt.optimizers)
+    return any(isinstance(v, (dict, list, tuple)) for v in opt.state.values())
+
+
+def _synchronize_tree(backend, tree, root, what):
+    if backend.size == 1:
+        return tree
+    # Only the arrays must agree: each rank receives into buffers the size of its own arrays.
+    verify_same_structure(backend, [(k, s) for k, s in describe(tree) if isinstance(s, tuple)], what)
+    skeleton, error = None, None
+    if backend.rank == root:
+        try:
+            skeleton = _map(lambda v: _Slot(v) if _travels_as_bits(v) else _check_leaf(v), tree)
+        except TypeError as e:
+            error = f"{what}: {e}"
+    skeleton, error = backend.bcast_object((skeleton, error), root)
+    if error is not None:
+        raise TypeError(error)
+    groups = {}
+    for a in (leaf for _, leaf in tree_flatten(tree) if _travels_as_bits(leaf)):
+        groups.setdefault(_width(a), []).append(a)
+    buffers = {}
+    for width, group in sorted(groups.items()):
+        if backend.rank == root:
+            bits = [_bits(a) for a in group]
+            buf = bits[0] if len(bits) == 1 else mx.concatenate(bits)
+        else:
+            buf = mx.zeros((sum(a.nbytes for a in group) // width,), _UINT[width])
+        buffers[width] = backend.bcast(buf, root) if buf.size else buf
+        mx.eval(buffers[width])  # one collective at a time, in the same order on every rank
+    if backend.rank == root:
+        return tree
+    offsets = dict.fromkeys(buffers, 0)
+
+    def take(slot):
+        start = offsets[slot.width]
+        offsets[slot.width] += slot.count
+        return slot.rebuild(buffers[slot.width][start : start + slot.count])
+
+    return _map(lambda v: take(v) if isinstance(v, _Slot) else v, skeleton)
+
+
+def _travels_as_bits(leaf) -> bool:
+    return isinstance(leaf, mx.array) or (isinstance(leaf, np.ndarray) and not leaf.dtype.hasobject)
+
+
+def _check_leaf(leaf):
+    if isinstance(leaf, (Module, Optimizer)):
+        raise TypeError(f"a tree holds a {type(leaf).__name__}: synchronize it on its own")
+    return leaf
+
+
+def _width(a) -> int:
+    """The widest unsigned int (1, 2, 4 or 8 bytes) that tiles ``a``'s items exactly."""
+    itemsize = a.dtype.itemsize if isinstance(a, np.ndarray) else a.dtype.size
+    return next(w for w in (8, 4, 2, 1) if itemsize % w == 0)
+
+
+def _bits(a) -> mx.array:
+    """``a``'s bits as a flat ``mx.array`` of unsigned ints of width ``_width(a)``."""
+    if isinstance(a, np.ndarray):
+        return mx.array(np.ascontiguousarray(a).reshape(-1).view(f"u{_width(a)}"))
+    return a.reshape(-1).view(_UINT[_width(a)])
+
+
+class _Slot:
+    """Stands for one of root's arrays in the tree root sends; ``rebuild`` makes it from bits."""
+
+    def __init__(self, a):
+        self.numpy, self.shape, self.width = isinstance(a, np.ndarray), a.shape, _width(a)
+        self.dtype = a.dtype if self.numpy else str(a.dtype)
+        self.count = a.nbytes // self.width
+
+    def rebuild(self, bits: mx.array):
+        if self.numpy:
+            return np.array(bits).view(self.dtype).reshape(self.shape)
+        return bits.view(_MX_DTYPES[self.dtype]).reshape(self.shape)
+
+
+def _map(fn, tree):
+    """``fn`` of each leaf that ``tree_flatten`` visits, in new containers of the same types."""
+    if isinstance(tree, tuple):
+        items = [_map(fn, v) for v in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    if isinstance(tree, (list, dict)) and not isinstance(tree, Module):
+        out = copy.copy(tree)  # keeps list and dict subclasses (OrderedDict, defaultdict)
+        for k, v in enumerate(tree) if isinstance(tree, list) else tree.items():
+            out[k] = _map(fn, v)
+        return out
+    return fn(tree)

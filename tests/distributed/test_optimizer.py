@@ -1,0 +1,340 @@
+"""DistributedOptimizer, alone (a world of one) and under the launcher: every rank knows all the
+data (generated from a fixed seed), so it computes the one-process reference itself and checks
+that N ranks at batch B train exactly like one process at batch N*B."""
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx.utils import tree_flatten
+
+import distributed_utils as du
+from distributed_utils.tree import TreeMismatchError
+
+OPTIMIZERS = {
+    "sgd": lambda: optim.SGD(0.1, momentum=0.9),
+    "adam": lambda: optim.Adam(1e-2),
+    "adamw-schedule": lambda: optim.AdamW(optim.cosine_decay(2e-2, 8), weight_decay=0.05),
+    "multi": lambda: optim.MultiOptimizer([optim.SGD(0.05), optim.Adam(1e-2)], [lambda k, _: "bias" in k]),
+}
+MLX_BACKEND = pytest.mark.skipif("not isinstance(du.initialize(), du.MLXBackend)")
+
+
+def mlp(seed=0):
+    mx.random.seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    mx.eval(model.parameters())
+    return model
+
+
+def loss_fn(model, x, y):
+    return nn.losses.mse_loss(model(x), y, reduction="mean")  # mean: the rank average is the full batch's
+
+
+def dataset(seed, rows):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, 4)).astype(np.float32)
+    y = np.stack([np.sin(x[:, 0] + x[:, 1]), x[:, 2] * x[:, 3]], axis=1).astype(np.float32)
+    return mx.array(x), mx.array(y)
+
+
+def train(model, opt, batches):
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    for x, y in batches:
+        _, grads = loss_and_grad(model, x, y)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state)
+    return model
+
+
+def reference_and_mine(backend, batch, steps, k=1, seed=0):
+    """The one-process batches (k * N * batch rows each) and this rank's micro-batches: micro-batch
+    j of step s on rank r holds rows (j * N + r) * batch ... + batch of the big one."""
+    n, r = du.total_workers(backend), du.local_rank(backend)
+    x, y = dataset(seed, steps * k * n * batch)
+    big = k * n * batch
+    full = [(x[s * big : (s + 1) * big], y[s * big : (s + 1) * big]) for s in range(steps)]
+    mine = [(bx[(j * n + r) * batch : (j * n + r + 1) * batch], by[(j * n + r) * batch : (j * n + r + 1) * batch])
+            for bx, by in full for j in range(k)]  # fmt: skip
+    return full, mine
+
+
+def assert_same_parameters(a, b, rtol=1e-4, atol=1e-5):
+    fa, fb = tree_flatten(a.parameters()), tree_flatten(b.parameters())
+    assert [k for k, _ in fa] == [k for k, _ in fb]
+    for (key, pa), (_, pb) in zip(fa, fb):
+        np.testing.assert_allclose(np.array(pa), np.array(pb), rtol=rtol, atol=atol, err_msg=key)
+
+
+def contribution(rank, shape, dtype=mx.float32, seed=0):
+    """Rank ``rank``'s gradient leaf: random, so that low-precision rounding shows."""
+    rng = np.random.default_rng(seed + 1000 * rank)
+    return mx.array(rng.standard_normal(shape).astype(np.float32) * (rank + 1)).astype(dtype)
+
+
+def mean_over_ranks(backend, shape, dtype=mx.float32, seed=0):
+    return np.mean([np.array(contribution(r, shape, dtype, seed).astype(mx.float32))
+                    for r in range(du.total_workers(backend))], axis=0)  # fmt: skip
+
+
+# ---- training equivalence: N ranks at batch B == one process at batch N * B ----
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_n_ranks_train_like_one_process_with_n_times_the_batch(backend, name):
+    full, mine = reference_and_mine(backend, batch=3, steps=4)
+    expected = train(mlp(), OPTIMIZERS[name](), full)
+    opt = du.DistributedOptimizer(backend, OPTIMIZERS[name]())
+    got = train(mlp(), opt, mine)
+    assert_same_parameters(got, expected)
+    assert not np.allclose(np.array(got.parameters()["layers"][0]["weight"]), np.array(mlp().parameters()["layers"][0]["weight"]))
+    if name != "multi":
+        assert opt.step.item() == 4
+
+
+@settings(max_examples=4)
+@given(batch=st.integers(1, 5), seed=st.integers(0, 2**16), name=st.sampled_from(sorted(OPTIMIZERS)),
+       bucket_bytes=st.sampled_from([0, 64, None]))  # fmt: skip
+def test_equivalence_over_batches_seeds_and_buckets(backend, batch, seed, name, bucket_bytes):
+    full, mine = reference_and_mine(backend, batch=batch, steps=2, seed=seed)
+    expected = train(mlp(seed), OPTIMIZERS[name](), full)
+    got = train(mlp(seed), du.DistributedOptimizer(backend, OPTIMIZERS[name](), bucket_bytes=bucket_bytes), mine)
+    assert_same_parameters(got, expected)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_accumulation_trains_like_one_process_with_k_n_times_the_batch(backend, k):
+    full, mine = reference_and_mine(backend, batch=2, steps=3, k=k)
+    expected = train(mlp(), OPTIMIZERS["adamw-schedule"](), full)
+    model, opt = mlp(), du.DistributedOptimizer(backend, OPTIMIZERS["adamw-schedule"](), accumulate_steps=k)
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    for i, (x, y) in enumerate(mine):
+        before = [np.array(p) for _, p in tree_flatten(model.parameters())]
+        opt.update(model, loss_and_grad(model, x, y)[1])
+        mx.eval(model.parameters(), opt.state)
+        after = [np.array(p) for _, p in tree_flatten(model.parameters())]
+        changed = any(not np.array_equal(a, b) for a, b in zip(before, after))
+        assert changed == ((i + 1) % k == 0), i  # only the k-th call of a cycle updates
+        assert opt.step.item() == (i + 1) // k
+    assert_same_parameters(model, expected)
+
+
+def test_accumulated_apply_gradients_returns_the_parameters_until_the_kth_call(backend):
+    model = mlp()
+    opt = du.DistributedOptimizer(backend, optim.SGD(0.5), accumulate_steps=2)
+    grads = nn.value_and_grad(model, loss_fn)(model, *dataset(0, 4))[1]
+    first = opt.apply_gradients(grads, model)
+    assert all(a is b for (_, a), (_, b) in zip(tree_flatten(first), tree_flatten(model.parameters())))
+    second = opt.apply_gradients(grads, model)
+    assert not mx.array_equal(second["layers"][0]["weight"], model.layers[0].weight).item()
+
+
+def test_frozen_layers_stay_frozen_and_the_rest_trains_like_one_process(backend):
+    full, mine = reference_and_mine(backend, batch=2, steps=3)
+    ref, model = mlp(), mlp()
+    for m in (ref, model):
+        m.layers[0].freeze()
+    frozen = np.array(model.layers[0].weight)
+    expected = train(ref, optim.Adam(1e-2), full)
+    got = train(model, du.DistributedOptimizer(backend, optim.Adam(1e-2)), mine)
+    assert_same_parameters(got, expected)
+    assert np.array_equal(np.array(got.layers[0].weight), frozen)
+
+
+# ---- reduce_gradients: op, buckets, dtypes, compression ----
+
+SHAPES = [(), (1,), (7,), (3, 5), (33, 17), (2, 3, 4)]
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 16, 1000, 2**30, None])
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_reduce_gradients_matches_the_mean_or_sum_for_every_bucketing(backend, bucket_bytes, op):
+    dtypes = [mx.float32, mx.float16, mx.bfloat16, mx.float32, mx.float32, mx.float16]
+    rank, n = du.local_rank(backend), du.total_workers(backend)
+    grads = {"w": [contribution(rank, s, d, seed=i) for i, (s, d) in enumerate(zip(SHAPES, dtypes))],
+             "none": None, "frozen": {}, "tail": (contribution(rank, (5,), seed=99),)}  # fmt: skip
+    opt = du.DistributedOptimizer(backend, optim.SGD(0.1), op=op, bucket_bytes=bucket_bytes)
+    out = opt.reduce_gradients(grads)
+    assert out["none"] is None and out["frozen"] == {} and isinstance(out["tail"], tuple)
+    for i, (shape, dtype) in enumerate(zip(SHAPES, dtypes)):
+        got = out["w"][i]
+        assert got.shape == shape and got.dtype == dtype
+        want = mean_over_ranks(backend, shape, dtype, seed=i) * (n if op == "sum" else 1)
+        tol = 1e-5 if dtype == mx.float32 else 2e-2
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=tol, atol=tol * n, err_msg=str(i))
+    np.testing.assert_allclose(np.array(out["tail"][0]), mean_over_ranks(backend, (5,), seed=99) * (n if op == "sum" else 1), rtol=1e-5)
+
+
+def test_arrays_sharing_memory_or_not_contiguous_are_reduced_once_each(backend):
+    rank = du.local_rank(backend)
+    base = contribution(rank, (4, 6))
+    mx.eval(base)
+    grads = {"a": base, "same": base, "t": base.T, "slice": base[1:3], "broadcast": mx.broadcast_to(base[0], (3, 6))}
+    out = du.DistributedOptimizer(backend, optim.SGD(0.1), bucket_bytes=0).reduce_gradients(grads)
+    want = mean_over_ranks(backend, (4, 6))
+    for key, expect in {"a": want, "same": want, "t": want.T, "slice": want[1:3], "broadcast": np.broadcast_to(want[0], (3, 6))}.items():
+        np.testing.assert_allclose(np.array(out[key]), expect, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_mpi_reduces_evaluated_gradients_in_place(backend):
+    if not isinstance(backend, du.MPIBackend) or du.total_workers(backend) == 1:
+        pytest.skip("in-place reduction is MPIBackend's, with more than one rank")
+    grads = {"w": contribution(du.local_rank(backend), (64, 64))}
+    mx.eval(grads)
+    out = du.DistributedOptimizer(backend, optim.SGD(0.1), bucket_bytes=0).reduce_gradients(grads)
+    assert out["w"] is grads["w"]  # the same array, now holding the mean
+    np.testing.assert_allclose(np.array(grads["w"]), mean_over_ranks(backend, (64, 64)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compression", [mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_compression_is_close_to_float32_but_rounded(backend, compression, op):
+    rank, n = du.local_rank(backend), du.total_workers(backend)
+    grads = {"w": contribution(rank, (50, 40)), "b": contribution(rank, (40,), seed=1)}
+    exact = du.DistributedOptimizer(backend, optim.SGD(0.1), op=op).reduce_gradients(grads)
+    out = du.DistributedOptimizer(backend, optim.SGD(0.1), op=op, compression=compression).reduce_gradients(grads)
+    for key in grads:
+        assert out[key].dtype == mx.float32
+        np.testing.assert_allclose(np.array(out[key]), np.array(exact[key]), rtol=2e-2, atol=2e-2 * n)
+        if n > 1:  # in a world of one nothing is sent, so nothing is rounded
+            assert not mx.array_equal(out[key], exact[key]).item()
+
+
+def test_compression_pre_divides_so_that_large_sums_do_not_overflow(backend):
+    n = du.total_workers(backend)
+    grads = {"w": mx.full((8,), 60000.0)}  # float16's largest value is 65504
+    for op, want in (("avg", 60000.0), ("sum", 60000.0 * n)):
+        out = du.DistributedOptimizer(backend, optim.SGD(0.1), op=op, compression=mx.float16).reduce_gradients(grads)
+        assert np.isfinite(np.array(out["w"])).all()
+        np.testing.assert_allclose(np.array(out["w"]), want, rtol=1e-3)
+
+
+def test_compressed_accumulated_training_stays_close(backend):
+    full, mine = reference_and_mine(backend, batch=2, steps=3, k=2)
+    expected = train(mlp(), optim.SGD(0.1), full)
+    got = train(mlp(), du.DistributedOptimizer(backend, optim.SGD(0.1), accumulate_steps=2, compression=mx.bfloat16), mine)
+    assert_same_parameters(got, expected, rtol=2e-2, atol=2e-3)
+
+
+# ---- drop-in: compile, state, attributes ----
+
+
+def compiled_step(model, opt):
+    state = [model.state, opt.state]
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(x, y):
+        loss, grads = loss_and_grad(model, x, y)
+        opt.update(model, grads)
+        return loss
+
+    return step
+
+
+@MLX_BACKEND
+def test_compiled_train_step_with_the_wrapper_inside(backend):
+    full, mine = reference_and_mine(backend, batch=3, steps=4)
+    expected = train(mlp(), OPTIMIZERS["adamw-schedule"](), full)
+    model, opt = mlp(), du.DistributedOptimizer(backend, OPTIMIZERS["adamw-schedule"]())
+    step = compiled_step(model, opt)
+    for x, y in mine:
+        mx.eval(step(x, y), model.parameters(), opt.state)
+    assert_same_parameters(model, expected)
+    assert opt.step.item() == 4
+
+
+def test_mpi_reduces_outside_compile_and_the_rest_compiles(backend):
+    """MPIBackend's reduction is eager (host buffers), so it cannot be traced: a compiled step
+    with update() inside raises on every rank; compiling the gradient and the optimizer rule
+    around an eager reduce_gradients trains like one process."""
+    if not isinstance(backend, du.MPIBackend) or du.total_workers(backend) == 1:
+        pytest.skip("MPIBackend with more than one rank")
+    full, mine = reference_and_mine(backend, batch=3, steps=3)
+    expected = train(mlp(), optim.Adam(1e-2), full)
+    with pytest.raises(ValueError, match="mx.compile"):  # (a failed trace leaves its model unusable)
+        compiled_step(mlp(), du.DistributedOptimizer(backend, optim.Adam(1e-2)))(*mine[0])
+    model, opt = mlp(), du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    loss_and_grad, state = nn.value_and_grad(model, loss_fn), [model.state, opt.state]
+    grad_fn = mx.compile(lambda x, y: loss_and_grad(model, x, y)[1], inputs=model.state, outputs=model.state)
+    apply = mx.compile(lambda grads: opt.optimizer.update(model, grads), inputs=state, outputs=state)
+    for x, y in mine:
+        apply(opt.reduce_gradients(grad_fn(x, y)))
+        mx.eval(model.parameters(), opt.state)
+    assert_same_parameters(model, expected)
+
+
+def test_reads_and_writes_through_to_the_wrapped_optimizer(backend):
+    inner = optim.Adam(1e-3, betas=[0.8, 0.9])
+    opt = du.DistributedOptimizer(backend, inner)
+    assert isinstance(opt, optim.Optimizer) and opt.betas == [0.8, 0.9]
+    opt.learning_rate = 0.5
+    assert inner.learning_rate.item() == 0.5 and opt.state is inner.state
+    model = mlp()
+    opt.init(model.trainable_parameters())
+    assert "layers" in inner.state and opt.step.item() == 0
+    opt.state = {**inner.state, "step": mx.array(7, mx.uint64)}
+    assert inner.step.item() == 7
+
+
+def test_synchronize_gives_every_rank_roots_state(backend):
+    model, opt = mlp(), du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    opt.init(model.trainable_parameters())
+    opt.learning_rate = 0.1 * (du.local_rank(backend) + 1)
+    du.synchronize(backend, opt)
+    assert opt.learning_rate.item() == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"op": "max"}, ValueError), ({"accumulate_steps": 0}, ValueError),
+    ({"compression": mx.int8}, ValueError), ({"compression": "float16"}, ValueError),
+])  # fmt: skip
+def test_bad_arguments_are_refused(backend, kwargs, error):
+    with pytest.raises(error):
+        du.DistributedOptimizer(backend, optim.SGD(0.1), **kwargs)
+
+
+def test_a_backend_class_or_a_non_optimizer_is_refused(backend):
+    with pytest.raises(TypeError, match="backend object"):
+        du.DistributedOptimizer(type(backend), optim.SGD(0.1))
+    with pytest.raises(TypeError, match="Optimizer"):
+        du.DistributedOptimizer(backend, lambda g: g)
+
+
+# ---- mismatched trees raise on every rank ----
+
+MULTI_RANK = pytest.mark.skipif("du.total_workers(du.initialize()) == 1")
+
+
+@MULTI_RANK
+@pytest.mark.parametrize("change", ["extra key", "shape", "dtype", "missing key"])
+def test_mismatched_trees_raise_on_every_rank_on_the_first_reduction(backend, change):
+    last = du.local_rank(backend) == du.total_workers(backend) - 1
+    grads = {"a": mx.ones((3,)), "b": {"c": mx.ones((2, 2))}}
+    if last and change == "extra key":
+        grads["b"]["d"] = mx.ones((1,))
+    elif last and change == "shape":
+        grads["b"]["c"] = mx.ones((2, 3))
+    elif last and change == "dtype":
+        grads["b"]["c"] = mx.ones((2, 2), mx.float16)
+    elif last and change == "missing key":
+        del grads["a"]
+    opt = du.DistributedOptimizer(backend, optim.SGD(0.1))
+    key = {"extra key": "b.d", "shape": "b.c", "dtype": "b.c", "missing key": "a"}[change]
+    with pytest.raises(TreeMismatchError, match=rf"DistributedOptimizer.update\(grads\).*'{key}'.*ranks \[{du.total_workers(backend) - 1}\]"):
+        opt.update(mlp(), grads)
+
+
+@MULTI_RANK
+def test_a_tree_that_changes_on_every_rank_is_verified_again(backend):
+    last = du.local_rank(backend) == du.total_workers(backend) - 1
+    opt = du.DistributedOptimizer(backend, optim.SGD(0.1))
+    mx.eval(opt.reduce_gradients({"a": mx.ones((3,))}))
+    mx.eval(opt.reduce_gradients({"a": mx.ones((3,)), "b": mx.ones((2,))}))  # the same change everywhere: fine
+    with pytest.raises(TreeMismatchError, match="'b'"):
+        opt.reduce_gradients({"a": mx.ones((3,)), "b": mx.ones((4,) if last else (5,))})

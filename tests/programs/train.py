@@ -1,0 +1,71 @@
+"""A small data-parallel training run for the reliability tests (run under du-launch).
+
+    python tests/programs/train.py OUT [--steps N] [--checkpoint PATH --every K] [--say-at S]
+
+Trains an MLP with dropout (so the random state matters) on a fixed synthetic data set,
+shuffled per epoch; rank 0 writes the final parameters to OUT (safetensors). With
+--checkpoint it resumes from PATH when it exists and saves there every K steps.
+--say-at prints "at step S" once and goes on (a signal for a test to act mid-run).
+"""
+
+import argparse
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+import distributed_utils as du
+
+p = argparse.ArgumentParser()
+p.add_argument("out")
+p.add_argument("--steps", type=int, default=12)
+p.add_argument("--checkpoint")
+p.add_argument("--every", type=int, default=4)
+p.add_argument("--say-at", type=int)
+args = p.parse_args()
+
+backend = du.initialize()
+rank = du.local_rank(backend)
+rng = np.random.default_rng(0)
+X = rng.standard_normal((96, 8)).astype(np.float32)
+Y = np.tanh(X @ rng.standard_normal((8, 1))).astype(np.float32)
+data = du.DistributedDataContainer(backend, (X, Y))
+BATCH = 4
+per_epoch = data.num_batches(BATCH)
+
+mx.random.seed(1)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+opt = du.DistributedOptimizer(backend, optim.Adam(1e-2))
+du.synchronize(backend, model)
+loss_and_grad = nn.value_and_grad(model, lambda m, x, y: ((m(x) - y) ** 2).mean())
+
+step = 0
+if args.checkpoint:
+    state = du.load_checkpoint(backend, args.checkpoint, model=model, optimizer=opt)
+    if state is not None:
+        step = state["step"]
+        assert state["data"] == {"epoch": step // per_epoch, "batch": step % per_epoch}, state
+        print(f"resumed at step {step}", flush=True)
+
+while step < args.steps:
+    epoch, start = divmod(step, per_epoch)
+    for x, y in data.batches(BATCH, shuffle=True, seed=0, epoch=epoch, start=start):
+        with du.watch("train step"):
+            loss, grads = loss_and_grad(model, x, y)
+            opt.update(model, grads)
+            mx.eval(loss, model.parameters(), opt.state)
+        step += 1
+        if step == args.say_at:
+            print(f"at step {step}", flush=True)
+        if args.checkpoint and step % args.every == 0:
+            position = {"epoch": step // per_epoch, "batch": step % per_epoch}
+            du.save_checkpoint(backend, args.checkpoint, model=model, optimizer=opt, data=position, step=step)
+            print(f"saved step {step}", flush=True)
+        if step == args.steps:
+            break
+
+if rank == 0:
+    mx.save_safetensors(args.out, dict(tree_flatten(model.parameters())))
+print(f"done at step {step}", flush=True)
