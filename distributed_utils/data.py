@@ -15,7 +15,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from .api import allreduce, local_rank, total_workers
+from .api import allgather, allreduce, local_rank, total_workers
 
 
 def shard_bounds(n: int, world_size: int, rank: int) -> tuple:
@@ -62,8 +62,9 @@ class DistributedDataContainer:
     (rows fetched with ``ds[list_of_indices]``); or an iterable of unknown length (a stream:
     rank r takes items r, r + P, r + 2P, ...).
 
-    For sized data ``len()``, ``container[i]`` (local index i -> global item
-    ``indices[i]``) and iteration cover this rank's shard only; no communication.
+    Collective at construction (every rank checks that all ranks passed data of the same
+    length); after that, for sized data, ``len()``, ``container[i]`` (local index i -> global
+    item ``indices[i]``) and iteration cover this rank's shard only, with no communication.
     """
 
     def __init__(self, backend, data):
@@ -74,8 +75,19 @@ class DistributedDataContainer:
         self.epoch = 0
         self._fields = _fields(data, self._where)
         self._n = _length(data, self._fields, self._where)
+        self._check_same_length_everywhere()
         if self._n is not None:
             self.indices = range(*shard_bounds(self._n, self.world_size, self.rank))
+
+    def _check_same_length_everywhere(self):
+        """Collective, once: ranks holding data of different lengths would compute different
+        batch counts and deadlock in the gradient reduction; fail on every rank instead."""
+        lengths = allgather(self.backend, np.array([-1 if self._n is None else self._n]))
+        if (lengths != lengths[0]).any():
+            shown = ", ".join(f"rank {r}: {'a stream' if n < 0 else n}" for r, n in enumerate(lengths.tolist()))
+            raise ValueError(
+                f"{self._where}: every rank must pass the same data (the whole data set); lengths differ ({shown})"
+            )
 
     @property
     def is_stream(self) -> bool:

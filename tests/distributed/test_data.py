@@ -252,3 +252,13 @@ def test_errors_name_what_is_wrong_and_the_rank(backend):
         len(stream)
     with pytest.raises(ValueError, match=f"{rank}.*shuffle"):
         stream.batches(2, shuffle=True)
+
+
+def test_data_of_different_lengths_on_different_ranks_fails_on_every_rank(backend):
+    """Each rank loading its own (different) data would deadlock later; it fails up front."""
+    rank, size = du.local_rank(backend), du.total_workers(backend)
+    if size == 1:
+        assert len(du.DistributedDataContainer(backend, list(range(7)))) == 7
+        return
+    with pytest.raises(ValueError, match=r"lengths differ \(rank 0: 10, rank 1: 11"):
+        du.DistributedDataContainer(backend, list(range(10 + rank)))
