@@ -4,7 +4,7 @@
 
 The tree is float32 matrices and vectors shaped like a transformer's blocks (d = 512), plus
 bfloat16 and int64 leaves, about ``--params`` values in all. Rows, each the median over
-``--reps`` runs of the slowest rank's time (every run starts after a barrier):
+``--reps`` runs of the slowest rank's time (every run starts after a barrier; rows take turns):
 
   bcast       one du.bcast of a pre-allocated flat float32 buffer of the tree's bytes: the floor
   synchronize du.synchronize(backend, tree): checks the structure, packs, one bcast per item size
@@ -36,15 +36,19 @@ def make_tree(params: int, rank: int) -> dict:
     return tree
 
 
-def timed(backend, fn, reps: int) -> float:
-    """Median over ``reps`` of the slowest rank's seconds for ``fn()``."""
-    times = []
-    for _ in range(reps + 1):  # the first run warms up
-        du.barrier(backend)
-        start = time.perf_counter()
-        fn()
-        times.append(max(du.allgather(backend, time.perf_counter() - start)))
-    return statistics.median(times[1:])
+def timed(backend, fns: dict, reps: int) -> dict:
+    """Median over ``reps`` of the slowest rank's seconds for each of ``fns``, taken in turns so
+    that a busy machine slows them alike."""
+    times = {name: [] for name in fns}
+    for rep in range(reps + 1):  # the first round warms up
+        for name, fn in fns.items():
+            du.barrier(backend)
+            start = time.perf_counter()
+            fn()
+            seconds = max(du.allgather(backend, time.perf_counter() - start))
+            if rep:
+                times[name].append(seconds)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main():
@@ -69,15 +73,14 @@ def main():
         for a in leaves:
             mx.eval(du.bcast(backend, a))
 
-    rows = [("bcast", timed(backend, lambda: mx.eval(du.bcast(backend, flat)), args.reps)),
-            ("synchronize", timed(backend, sync, args.reps)),
-            ("per leaf", timed(backend, per_leaf, args.reps))]  # fmt: skip
+    fns = {"bcast": lambda: mx.eval(du.bcast(backend, flat)), "synchronize": sync, "per leaf": per_leaf}
+    rows = timed(backend, fns, args.reps)
     if rank == 0:
         print(f"{size} ranks, {type(backend).__name__}: {sum(a.size for a in leaves) / 1e6:.1f}M values "
               f"in {len(leaves)} arrays, {nbytes / 2**20:.0f} MiB; median of {args.reps} runs\n")  # fmt: skip
         print("| what | ms | GB/s | / bcast |\n| --- | ---: | ---: | ---: |")
-        for name, seconds in rows:
-            print(f"| {name} | {seconds * 1e3:.1f} | {nbytes / seconds / 1e9:.2f} | {seconds / rows[0][1]:.2f} |")
+        for name, seconds in rows.items():
+            print(f"| {name} | {seconds * 1e3:.1f} | {nbytes / seconds / 1e9:.2f} | {seconds / rows['bcast']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """``du.synchronize``: root's arrays, trees, modules, optimizer states and objects on every rank."""
 
 import copy
+import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -8,10 +9,11 @@ from mlx.nn import Module
 from mlx.optimizers import MultiOptimizer, Optimizer
 from mlx.utils import tree_flatten
 
-from .api import _check_root
+from .api import _check_root, bcast
 from .tree import TreeMismatchError, describe, verify_same_structure
 
 _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+_RUN_BYTES = 16 * 2**20
 _MX_DTYPES = {str(d): d for d in vars(mx).values() if isinstance(d, mx.Dtype)}  # mx dtypes do not pickle
 
 
@@ -29,8 +31,8 @@ def synchronize(backend, x, root: int = 0, *, model=None):
 
     Every rank must hold arrays at the same keys with the same shapes and dtypes: otherwise
     every rank raises ``TreeMismatchError`` naming the first differing key. The arrays travel
-    in one broadcast per item size (1, 2, 4 or 8 bytes), everything else in one pickle.
-    On root, and in a world of one, ``x`` itself is returned.
+    packed, in one broadcast per item size (1, 2, 4 or 8 bytes) and 16 MiB; the rest in one
+    pickle. On root, and in a world of one, ``x`` itself is returned.
     """
     _check_root(backend, root)
     what = f"du.synchronize({type(x).__name__})"
@@ -50,15 +52,11 @@ def _synchronize_optimizer(backend, opt, root, model, what):
     try:
         state = _synchronize_tree(backend, opt.state, root, what)
     except TreeMismatchError as e:
-        raise TreeMismatchError(
-            f"{e}. (An optimizer has per-parameter state only after its first update or "
-            "opt.init(model.trainable_parameters()); du.synchronize(backend, opt, model=model) does that.)"
-        ) from None
+        hint = "an optimizer not yet updated needs opt.init(model.trainable_parameters()) or model=model"
+        raise TreeMismatchError(f"{e}; {hint}") from None
     if not _has_state(opt):  # the same on every rank: their states have the same structure
-        raise ValueError(
-            f"{what}: the optimizer's state is not initialized, so there is nothing to synchronize "
-            "but its step; call opt.init(model.trainable_parameters()) first, or pass model=model"
-        )
+        raise ValueError(f"{what}: the state is not initialized; call opt.init(model.trainable_parameters()) "
+                         "first, or pass model=model")
     if backend.rank != root:
         opt.state = state
     return opt
@@ -79,44 +77,56 @@ def _synchronize_tree(backend, tree, root, what):
     skeleton, error = None, None
     if backend.rank == root:
         try:
-            skeleton = _map(lambda v: _Slot(v) if _travels_as_bits(v) else _check_leaf(v), tree)
+            skeleton = _map(_stand_in, tree)
         except TypeError as e:
             error = f"{what}: {e}"
-    skeleton, error = backend.bcast_object((skeleton, error), root)
+    skeleton, error = bcast(backend, (skeleton, error), root)
     if error is not None:
         raise TypeError(error)
-    groups = {}
-    for a in (leaf for _, leaf in tree_flatten(tree) if _travels_as_bits(leaf)):
-        groups.setdefault(_width(a), []).append(a)
-    buffers = {}
-    for width, group in sorted(groups.items()):
+    arrays = [leaf for _, leaf in tree_flatten(tree) if _travels_as_bits(leaf)]
+    pieces = [None] * len(arrays)  # each array's bits, received
+    for width, run in _runs(arrays):  # api.bcast evaluates: one collective at a time
         if backend.rank == root:
-            bits = [_bits(a) for a in group]
-            buf = bits[0] if len(bits) == 1 else mx.concatenate(bits)
-        else:
-            buf = mx.zeros((sum(a.nbytes for a in group) // width,), _UINT[width])
-        buffers[width] = backend.bcast(buf, root) if buf.size else buf
-        mx.eval(buffers[width])  # one collective at a time, in the same order on every rank
+            bits = [_bits(arrays[i]) for i in run]
+            bcast(backend, bits[0] if len(bits) == 1 else mx.concatenate(bits), root)
+            continue
+        sizes = [arrays[i].nbytes // width for i in run]
+        buf = bcast(backend, mx.zeros((sum(sizes),), _UINT[width]), root)
+        for i, start, n in zip(run, itertools.accumulate([0] + sizes), sizes):
+            pieces[i] = buf[start : start + n]
     if backend.rank == root:
         return tree
-    offsets = dict.fromkeys(buffers, 0)
+    received = iter(pieces)  # in the order of root's arrays too: the structures matched
+    return _map(lambda v: v.rebuild(next(received)) if isinstance(v, _Slot) else v, skeleton)
 
-    def take(slot):
-        start = offsets[slot.width]
-        offsets[slot.width] += slot.count
-        return slot.rebuild(buffers[slot.width][start : start + slot.count])
 
-    return _map(lambda v: take(v) if isinstance(v, _Slot) else v, skeleton)
+def _runs(arrays) -> list:
+    """``(width, indices)``: the arrays of each width, in runs of at most ``_RUN_BYTES`` (or one
+    array). Small runs keep the packing buffers in MLX's cache: a fresh big one costs page faults."""
+    runs = []
+    for width in sorted({_width(a) for a in arrays}):
+        run, size = [], 0
+        for i, a in enumerate(arrays):
+            if _width(a) != width:
+                continue
+            if run and size + a.nbytes > _RUN_BYTES:
+                runs.append((width, run))
+                run, size = [], 0
+            run.append(i)
+            size += a.nbytes
+        runs.append((width, run))
+    return runs
 
 
 def _travels_as_bits(leaf) -> bool:
     return isinstance(leaf, mx.array) or (isinstance(leaf, np.ndarray) and not leaf.dtype.hasobject)
 
 
-def _check_leaf(leaf):
+def _stand_in(leaf):
+    """What root sends for ``leaf``: a ``_Slot`` for an array, else the leaf itself."""
     if isinstance(leaf, (Module, Optimizer)):
         raise TypeError(f"a tree holds a {type(leaf).__name__}: synchronize it on its own")
-    return leaf
+    return _Slot(leaf) if _travels_as_bits(leaf) else leaf
 
 
 def _width(a) -> int:
@@ -136,9 +146,8 @@ class _Slot:
     """Stands for one of root's arrays in the tree root sends; ``rebuild`` makes it from bits."""
 
     def __init__(self, a):
-        self.numpy, self.shape, self.width = isinstance(a, np.ndarray), a.shape, _width(a)
+        self.numpy, self.shape = isinstance(a, np.ndarray), a.shape
         self.dtype = a.dtype if self.numpy else str(a.dtype)
-        self.count = a.nbytes // self.width
 
     def rebuild(self, bits: mx.array):
         if self.numpy:
