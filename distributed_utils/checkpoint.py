@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .api import _check_backend
+from .api import _check_backend, allgather
 from .synchronize import synchronize
 
 FORMAT = "distributed_utils.checkpoint/1"
@@ -65,7 +65,7 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
         meta_json = json.dumps(meta)
     except TypeError as e:
         raise TypeError(f"save_checkpoint: step, data and extra must be JSON values: {e}") from None
-    arrays["rng"] = backend.allgather(mx.random.state[0][None])  # every rank's key, in rank order
+    arrays["rng"] = allgather(backend, mx.random.state[0][None])  # evaluated here, on every rank
     error = None
     if backend.rank == 0:
         try:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from .backends.mpi_library import libmpi_path
 
 BACKENDS = ("mpi", "ring", "mlx-mpi")
 GRACE_SECONDS = 3  # between SIGTERM and SIGKILL for the ranks left when one failed
-MPIRUN_GRACE = 10  # for mpirun to end the job once a rank failed (it may wait on a lost host)
+SETTLE_SECONDS = 0.5  # after a rank fails, for the others that fail with it, to tell cause from effect
+MPIRUN_GRACE = 5  # for mpirun to end the job once a rank failed (it may wait on a lost host)
 PROBE_SECONDS = 30  # for a remote host to run `true` through the remote shell
 DEFAULT_REMOTE_SHELL = "ssh {host}"
 WATCHDOG_EXIT = 124  # watchdog.EXIT_CODE (not imported: the launcher does not load MLX)
@@ -70,6 +72,8 @@ def parse_args(argv):
         args.n = None if args.hostfile else 1
     if args.port is not None and not 0 < args.port < 65536:
         p.error(f"--port must be a port number, got {args.port}")
+    if args.port is not None and args.backend != "ring":
+        p.error("--port is for --backend ring (mpirun chooses its own ports)")
     if args.timeout is not None and not args.timeout >= 0:
         p.error(f"--timeout must be >= 0 seconds (0: never), got {args.timeout}")
     if args.backend != "ring" and not args.remote_shell.rstrip().endswith("{host}"):
@@ -123,9 +127,6 @@ def job_environment(backend, world_size, timeout=None, debug=False):
     return env
 
 
-# --- ring: the launcher starts every process itself ------------------------------------
-
-
 def check_reachable(hosts, remote_shell):
     """Exit with a clear error unless every host that is not this machine runs ``true``
     through the remote shell within PROBE_SECONDS (instead of a job that hangs connecting)."""
@@ -154,6 +155,9 @@ def check_reachable(hosts, remote_shell):
             f"du-launch: host {host} (ranks {ranks}) is unreachable: "
             f"`{remote_shell.format(host=host)} true` failed: {reason}"
         )
+
+
+# --- ring: the launcher starts every process itself ------------------------------------
 
 
 def run_ring(hosts, command, env, remote_shell, port=None):
@@ -237,19 +241,26 @@ def port_free(ip, port) -> bool:
 
 def run_mpirun(hosts, args, env):
     mpirun = find_mpirun()
-    cmd = [mpirun, "-n", str(len(hosts)), "--output", "tag", "--oversubscribe"]
+    cmd = [mpirun, "-n", str(len(hosts)), "--output", "tag"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     if len(hosts) > (os.cpu_count() or 1):  # oversubscribed: waiting ranks must give the core up
         cmd += ["--mca", "mpi_yield_when_idle", "1"]
-    if args.hostfile:
-        cmd += ["--hostfile", args.hostfile]
     if args.remote_shell != DEFAULT_REMOTE_SHELL:  # mpirun runs AGENT HOST COMMAND...
         cmd += ["--mca", "plm_ssh_agent", args.remote_shell.rstrip().removesuffix("{host}").strip()]
     for key in env:
         cmd += ["-x", key]
-    proc = spawn(cmd + abort_on_failure(args.command), {**os.environ, **env})
-    return supervise([proc], len(hosts), tagged=True)
+    with tempfile.NamedTemporaryFile("w", prefix="du-hosts-") as hostfile:
+        if args.hostfile:
+            # Each host with exactly the ranks it gets, unbound (there may be more than cores):
+            # with --oversubscribe mpirun would put every rank on the first host.
+            hostfile.write("".join(f"{h} slots={hosts.count(h)}\n" for h in dict.fromkeys(hosts)))
+            hostfile.flush()
+            cmd += ["--hostfile", hostfile.name, "--bind-to", "none"]
+        else:
+            cmd.append("--oversubscribe")
+        proc = spawn(cmd + abort_on_failure(args.command), {**os.environ, **env})
+        return supervise([proc], len(hosts), tagged=True)
 
 
 def abort_on_failure(command):
@@ -290,6 +301,9 @@ _WATCHDOG = re.compile(rb"^du watchdog: rank (\d+):")
 # mpirun's own report of the rank that ended the job (the lines it prints untagged)
 _MPIRUN_RANK = re.compile(rb"process rank (\d+)|Process name: \[\S+,(\d+)\]")
 _MPIRUN_SIGNAL = re.compile(rb"^signal (\d+) \(")
+_MPIRUN_LOST = re.compile(rb"lost communication with a remote daemon")
+# what MLX's ring prints on the ranks that lose a peer: an effect, not the cause, of a failure
+_PEER_LOST = re.compile(rb"^\[ring\] (Socket \d+ was closed|Sending to socket|Too many send/recv)|peer was lost")
 _print_lock = threading.Lock()
 
 
@@ -299,10 +313,14 @@ class Report:
 
     def __init__(self):
         self.watchdog = set()
+        self.peer_lost = set()  # ranks that saw a peer go
         self.failed_rank = self.signal = None
+        self.lost_host = False
         self.failure = threading.Event()
 
     def scan(self, line, rank, tagged_line):
+        if rank is not None and _PEER_LOST.search(line):
+            self.peer_lost.add(rank)
         m = _WATCHDOG.match(line)
         if m:
             self.watchdog.add(int(m.group(1)))
@@ -313,6 +331,9 @@ class Report:
         if m and self.failed_rank is None:
             self.failed_rank = int(m.group(1) or m.group(2))
             self.failure.set()
+        if _MPIRUN_LOST.search(line):
+            self.lost_host = True
+            self.failure.set()
         m = _MPIRUN_SIGNAL.match(line)
         if m and self.signal is None:
             self.signal = int(m.group(1))
@@ -322,15 +343,15 @@ def forward(stream, out, rank, report):
     """Copy ``stream`` to ``out`` line by line, each line prefixed with its rank
     (``rank=None``: the rank comes from mpirun's ``--output tag`` prefix), and scan it."""
     for line in iter(stream.readline, b""):
-        tagged = True
+        tagged, line_rank = True, rank
         if rank is None:
             m = _TAG.match(line)
-            tagged = bool(m)
+            tagged, line_rank = bool(m), int(m.group(1)) if m else None
             prefix = b"[rank %s] " % m.group(1) if m else b""
             line = line[m.end():] if m else line
         else:
             prefix = b"[rank %d] " % rank
-        report.scan(line, rank, tagged)
+        report.scan(line, line_rank, tagged)
         with _print_lock:
             out.write(prefix + line)
             out.flush()
@@ -347,12 +368,12 @@ def supervise(procs, world_size, tagged=False):
             t.start()
             threads.append(t)
     done = threading.Event()
-    first_failure = []
+    failures = []  # (rank, code), in the order the launcher saw them exit
 
     def wait(rank, p):
         code = p.wait()
-        if code != 0 and not first_failure:
-            first_failure.append((rank, code))
+        if code != 0:
+            failures.append((rank, code))
         done.set()
 
     for rank, p in enumerate(procs):
@@ -361,17 +382,24 @@ def supervise(procs, world_size, tagged=False):
     if tagged:
         code = wait_mpirun(procs[0], report)
     else:
-        while any(p.poll() is None for p in procs) and not first_failure:
+        while any(p.poll() is None for p in procs) and not failures:
             done.wait()
             done.clear()
         code = 0
-        if first_failure:
-            rank, code = first_failure[0]
+        if failures:
+            settle = time.monotonic() + SETTLE_SECONDS
+            while any(p.poll() is None for p in procs) and time.monotonic() < settle:
+                done.wait(timeout=max(0, settle - time.monotonic()))
+                done.clear()
+            # Ranks that exit within a few ms of each other are reaped in any order: the cause
+            # is the first one that did not merely lose a peer.
+            rank, code = next((f for f in failures if f[0] not in report.peer_lost), failures[0])
             log(f"rank {rank} {how_it_ended(code)}; stopping the other ranks")
             stop(procs)
             code = 128 - code if code < 0 else code
-    for t in threads:
-        t.join(timeout=GRACE_SECONDS)
+    deadline = time.monotonic() + GRACE_SECONDS  # for the output still in the pipes
+    for t in threads:  # (a process left on a lost host may hold them open)
+        t.join(timeout=max(0, deadline - time.monotonic()))
     if report.watchdog:
         log(watchdog_summary(report.watchdog, world_size))
     return code
@@ -390,6 +418,9 @@ def wait_mpirun(proc, report):
                 return WATCHDOG_EXIT if report.watchdog else 1
     code = proc.returncode
     code = 128 - code if code < 0 else code
+    if code == 0 and report.lost_host:  # mpirun says so, then exits 0
+        log("mpirun lost a host and ended the job")
+        code = 1
     if code and report.failed_rank is not None:
         how = how_it_ended(-report.signal if report.signal else code)
         log(f"rank {report.failed_rank} {how}; mpirun stopped the other ranks")
@@ -409,7 +440,10 @@ def watchdog_summary(stopped, world_size) -> str:
     others = sorted(set(range(world_size)) - stopped)
     text = f"the watchdog ended the job: ranks {sorted(stopped)} waited past the timeout (see their reports)"
     if others:
-        text += f"; ranks {others} did not report waiting: they are behind, stuck elsewhere, or failed otherwise"
+        text += (
+            f"; ranks {others} did not report waiting: they are behind, stuck elsewhere, failed "
+            "otherwise, or their report was lost"
+        )
     return text
 
 

@@ -17,6 +17,7 @@ raises CollectiveMismatchError on every rank at the first difference. Off by def
 """
 
 import contextlib
+import itertools
 import os
 import sys
 import threading
@@ -36,18 +37,19 @@ class CollectiveMismatchError(RuntimeError):
 
 
 class _Entry:
-    __slots__ = ("seq", "what", "summary", "rank", "start", "wall", "timeout")
+    __slots__ = ("seq", "what", "summary", "rank", "start", "timeout")
 
     def __init__(self, seq, what, summary, rank, timeout):
         self.seq, self.what, self.summary, self.rank, self.timeout = seq, what, summary, rank, timeout
-        self.start, self.wall = time.monotonic(), time.time()
+        self.start = time.monotonic()
 
 
 class _State:
     def __init__(self):
         self.timeout = self.debug = None  # None: not configured yet (read the environment)
-        self.lock = threading.Lock()
-        self.inflight = {}  # id(entry) -> entry
+        self.lock = threading.Lock()  # for starting the thread
+        self.inflight = {}  # id(entry) -> entry; one C-level dict operation at a time (GIL)
+        self.counter = itertools.count(1)
         self.seq = 0  # the last collective's sequence number on this rank
         self.done = 0  # the last one that finished
         self.rank = None
@@ -94,29 +96,41 @@ def _env_timeout():
         raise ValueError(f"DU_TIMEOUT={value!r} is not a number of seconds") from None
 
 
-@contextlib.contextmanager
-def collective(backend, what: str, args: tuple):
-    """Watch one collective of ``backend``: ``what`` names it, ``args`` are its arguments (arrays,
-    op name, root). Collectives nested in it (a primitive built from others) are part of it."""
-    depth = getattr(_state.local, "depth", 0)
-    if depth:
-        yield
-        return
-    configure()
-    _state.rank = backend.rank
-    with _state.lock:
-        _state.seq += 1
-        seq = _state.seq
-    entry = _register(seq, what, _summary(what, args), backend.rank, _state.timeout)
-    _state.local.depth = 1
-    try:
-        if _state.debug and backend.size > 1:
-            _check_across_ranks(backend, entry, args)
-        yield
-        _state.done = seq
-    finally:
+class collective:
+    """Context manager that watches one collective of ``backend``: ``what`` names it, ``args``
+    are its arguments (arrays, op name, root). Collectives nested in it (a primitive built
+    from others) are part of it. Costs a few microseconds."""
+
+    __slots__ = ("backend", "what", "args", "entry")
+
+    def __init__(self, backend, what: str, args: tuple):
+        self.backend, self.what, self.args, self.entry = backend, what, args, None
+
+    def __enter__(self):
+        if getattr(_state.local, "depth", 0):
+            return self
+        if _state.timeout is None or _state.debug is None:
+            configure()
+        seq = _state.seq = next(_state.counter)
+        _state.rank = self.backend.rank
+        self.entry = _register(seq, self.what, _summary(self.what, self.args), self.backend.rank, _state.timeout)
+        _state.local.depth = 1
+        if _state.debug and self.backend.size > 1:
+            try:
+                _check_across_ranks(self.backend, self.entry, self.args)
+            except BaseException:
+                self.__exit__(*sys.exc_info())
+                raise
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if self.entry is None:
+            return
         _state.local.depth = 0
-        _unregister(entry)
+        _unregister(self.entry)
+        if kind is None:
+            _state.done = self.entry.seq
+        self.entry = self.args = None
 
 
 @contextlib.contextmanager
@@ -131,7 +145,7 @@ def watch(what: str, timeout=None):
             mx.eval(loss, model.parameters(), opt.state)
     """
     configure()
-    entry = _register(None, what, "", _state.rank, _state.timeout if timeout is None else float(timeout))
+    entry = _register(None, what, (), _state.rank, _state.timeout if timeout is None else float(timeout))
     try:
         yield
     finally:
@@ -164,25 +178,24 @@ def connecting(what: str):
 
 def _register(seq, what, summary, rank, limit):
     entry = _Entry(seq, what, summary, rank, limit)
-    with _state.lock:
-        _state.inflight[id(entry)] = entry
-        if _state.thread is None:
-            _state.thread = threading.Thread(target=_watch_loop, name="du-watchdog", daemon=True)
-            _state.thread.start()
+    _state.inflight[id(entry)] = entry
+    if _state.thread is None:
+        with _state.lock:
+            if _state.thread is None:
+                _state.thread = threading.Thread(target=_watch_loop, name="du-watchdog", daemon=True)
+                _state.thread.start()
     return entry
 
 
 def _unregister(entry):
-    with _state.lock:
-        _state.inflight.pop(id(entry), None)
+    _state.inflight.pop(id(entry), None)
 
 
 def _watch_loop():
     while True:
         time.sleep(_POLL)
         now = time.monotonic()
-        with _state.lock:
-            entries = list(_state.inflight.values())
+        entries = list(_state.inflight.copy().values())
         if any(e.timeout and now - e.start > e.timeout for e in entries):
             _expire(sorted(entries, key=lambda e: e.start))
 
@@ -190,15 +203,23 @@ def _watch_loop():
 def _expire(entries):
     now = time.monotonic()
     for e in entries:
-        rank = "?" if e.rank is None else e.rank
-        name = f"collective #{e.seq} {e.what}{e.summary}" if e.seq else f"'{e.what}'"
-        since = time.strftime("%H:%M:%S", time.localtime(e.wall))
+        rank = _launched_rank() if e.rank is None else e.rank
+        name = f"collective #{e.seq} {e.what}{_format(e.summary)}" if e.seq else f"'{e.what}'"
+        since = time.strftime("%H:%M:%S", time.localtime(time.time() - (now - e.start)))
         _say(
             f"du watchdog: rank {rank}: {name} waiting since {since} ({now - e.start:.1f} s, "
             f"timeout {e.timeout:g} s; last finished collective: #{_state.done}); exiting"
         )
     time.sleep(GRACE)
     os._exit(EXIT_CODE)
+
+
+def _launched_rank() -> str:
+    """This process's rank as the launcher set it (before any backend knows it)."""
+    for key in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if key in os.environ:
+            return os.environ[key]
+    return "?"
 
 
 def _say(message):
@@ -219,7 +240,7 @@ def _is_array(x) -> bool:
 def _sig(x):
     """An array's ``(dtype, shape)``; a list of arrays' list of those; an op or root as it is."""
     if _is_array(x):
-        return (str(x.dtype).removeprefix("mlx.core."), tuple(x.shape))
+        return _sig_of(x.dtype, x.shape)
     if isinstance(x, (list, tuple)) and all(_is_array(a) for a in x):
         return [_sig(a) for a in x]
     if isinstance(x, (str, int, np.integer)):
@@ -232,20 +253,37 @@ def _payload(what, args):
     return args[1:] if what.endswith("_object") else args
 
 
-def _summary(what, args) -> str:
-    """Short text for the report, computed without keeping a reference to the arrays."""
-    parts, arrays = [], []
+def _summary(what, args) -> tuple:
+    """What the report shows of ``args``: kept without a reference to the arrays, and cheap
+    (it is taken for every collective; ``_format`` makes the text only for a report)."""
+    out = []
     for a in _payload(what, args):
         if _is_array(a):
-            arrays.append(_show(_sig(a)))
-        elif isinstance(a, (list, tuple)) and a and all(_is_array(x) for x in a):
-            shown = ", ".join(_show(_sig(x)) for x in a[:3])
-            arrays.append(f"[{len(a)} arrays: {shown}{', ...' if len(a) > 3 else ''}]")
-        elif isinstance(a, str):
+            out.append((a.dtype, a.shape))
+        elif isinstance(a, (list, tuple)) and a and _is_array(a[0]):
+            out.append((len(a), [(x.dtype, x.shape) for x in a[:3]]))
+        elif isinstance(a, str) or (isinstance(a, (int, np.integer)) and not isinstance(a, bool)):
+            out.append(a)
+    return tuple(out)
+
+
+def _format(summary) -> str:
+    parts, arrays = [], []
+    for a in summary:
+        if isinstance(a, str):
             parts.append(a)
-        elif isinstance(a, (int, np.integer)) and not isinstance(a, bool):
+        elif not isinstance(a, tuple):
             parts.append(f"root={int(a)}")
+        elif isinstance(a[1], list):
+            shown = ", ".join(_show(_sig_of(*x)) for x in a[1])
+            arrays.append(f"[{a[0]} arrays: {shown}{', ...' if a[0] > 3 else ''}]")
+        else:
+            arrays.append(_show(_sig_of(*a)))
     return (f"({', '.join(parts)})" if parts else "") + "".join(" " + a for a in arrays)
+
+
+def _sig_of(dtype, shape):
+    return (str(dtype).removeprefix("mlx.core."), tuple(shape))
 
 
 def _show(sig) -> str:

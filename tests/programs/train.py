@@ -5,10 +5,14 @@
 Trains an MLP with dropout (so the random state matters) on a fixed synthetic data set,
 shuffled per epoch; rank 0 writes the final parameters to OUT (safetensors). With
 --checkpoint it resumes from PATH when it exists and saves there every K steps.
---say-at prints "at step S" once and goes on (a signal for a test to act mid-run).
+--say-at prints "at step S" once and goes on (a signal for a test to act mid-run); --log
+copies each rank's stderr to LOG-RANK.log (its reports, even when its output cannot reach
+the launcher).
 """
 
 import argparse
+import socket
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,10 +28,28 @@ p.add_argument("--steps", type=int, default=12)
 p.add_argument("--checkpoint")
 p.add_argument("--every", type=int, default=4)
 p.add_argument("--say-at", type=int)
+p.add_argument("--log")
 args = p.parse_args()
 
 backend = du.initialize()
 rank = du.local_rank(backend)
+
+
+class Tee:
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for s in self.streams:
+            s.write(text)
+            s.flush()
+
+    def flush(self):
+        pass
+
+
+if args.log:
+    sys.stderr = Tee(sys.stderr, open(f"{args.log}-{rank}.log", "a"))
 rng = np.random.default_rng(0)
 X = rng.standard_normal((96, 8)).astype(np.float32)
 Y = np.tanh(X @ rng.standard_normal((8, 1))).astype(np.float32)
@@ -68,4 +90,4 @@ while step < args.steps:
 
 if rank == 0:
     mx.save_safetensors(args.out, dict(tree_flatten(model.parameters())))
-print(f"done at step {step}", flush=True)
+print(f"done at step {step} on {socket.gethostname()}", flush=True)

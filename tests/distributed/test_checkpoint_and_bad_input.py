@@ -1,0 +1,149 @@
+"""Bad input gets the same clear error on every rank (never a hang), and checkpoints round-trip
+exactly, on every rank. (The watchdog and dead ranks: tests/test_reliability.py.)"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import distributed_utils as du
+from distributed_utils import watchdog
+from distributed_utils.tree import TreeMismatchError
+
+
+def other_backend_type(backend):
+    return du.RingBackend if isinstance(backend, du.MPIBackend) else du.MPIBackend
+
+
+def debug_allreduce(backend):
+    watchdog.configure(debug=True)
+    try:
+        du.allreduce(backend, mx.zeros((2 + backend.rank,)), "sum")
+    finally:
+        watchdog.configure(debug=False)
+
+
+def checkpoint_then_load_other_model(backend, tmp):
+    du.save_checkpoint(backend, tmp / "ck", model=nn.Linear(3, 4))
+    du.load_checkpoint(backend, tmp / "ck", model=nn.Linear(4, 4))
+
+
+def load_truncated(backend, tmp):
+    du.save_checkpoint(backend, tmp / "ck", model=nn.Linear(3, 4))
+    data = (tmp / "ck").read_bytes() if backend.rank == 0 else b""
+    (tmp / "ck").write_bytes(data[: len(data) // 2])
+    du.load_checkpoint(backend, tmp / "ck", model=nn.Linear(3, 4))
+
+
+class _Optimizer(optim.SGD):
+    def init_single(self, parameter, state):
+        state["count"] = 0  # not an array
+
+
+def save_non_array_leaf(backend, tmp):
+    opt = _Optimizer(0.1)
+    opt.init({"w": mx.zeros(2)})
+    du.save_checkpoint(backend, tmp / "ck", optimizer=opt)
+
+
+# (what, call(backend, tmp_path), needs 2 ranks, error, words in the message)
+BAD_INPUT = [
+    ("a backend name", lambda b, t: du.initialize("ring"), False, TypeError, "expected a backend class"),
+    ("a backend object", lambda b, t: du.initialize(b), False, TypeError, "got the backend instance"),
+    ("a backend class to a collective", lambda b, t: du.allreduce(type(b), 1, "sum"), False, TypeError,
+     f"du.get_distributed_backend(du."),
+    ("use before initialize", lambda b, t: du.get_distributed_backend(other_backend_type(b)), False, RuntimeError,
+     "is not initialized: call du.initialize("),
+    ("a negative timeout", lambda b, t: du.initialize(type(b), timeout=-1), False, ValueError,
+     "timeout must be a number of seconds >= 0"),
+    ("mismatched trees", lambda b, t: du.synchronize(b, {"w": mx.zeros((2 + b.rank,))}), True, TreeMismatchError,
+     "first difference at key 'w'"),
+    ("mismatched gradient trees",
+     lambda b, t: du.DistributedOptimizer(b, optim.SGD(0.1)).reduce_gradients({f"w{b.rank}": mx.zeros(2)}), True,
+     TreeMismatchError, "ranks hold different trees"),
+    ("mismatched shapes (DU_DEBUG)", lambda b, t: debug_allreduce(b), True, du.CollectiveMismatchError,
+     "ranks issued different collectives"),
+    ("a non-array to reduce", lambda b, t: du.allreduce(b, [1, 2], "sum"), False, TypeError, "cannot reduce a list"),
+    ("a non-array leaf in a checkpoint", save_non_array_leaf, False, TypeError,
+     "optimizer leaf 'w.count' is a int, not an array"),
+    ("an unsupported dtype", lambda b, t: du.allreduce(b, np.array(["a"]), "sum"), False, TypeError,
+     "dtype <U1 is not supported"),
+    ("float64 complex", lambda b, t: du.bcast(b, np.zeros(2, np.complex128)), False, TypeError,
+     "complex128 is not supported"),
+    ("empty data", lambda b, t: du.DistributedDataContainer(b, []), False, ValueError, "data is empty"),
+    ("a checkpoint of another model", checkpoint_then_load_other_model, False, du.CheckpointError,
+     "does not fit the model: at 'weight'"),
+    ("a truncated checkpoint", load_truncated, False, du.CheckpointError, "is not a complete checkpoint"),
+    ("a checkpoint value that is not JSON", lambda b, t: du.save_checkpoint(b, t / "ck", extra={1j}), False,
+     TypeError, "must be JSON values"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, call, needs_ranks, error, words", BAD_INPUT, ids=[row[0] for row in BAD_INPUT])
+def test_bad_input_is_a_clear_error_on_every_rank(backend, tmp_path, what, call, needs_ranks, error, words):
+    if needs_ranks and du.total_workers(backend) == 1:
+        pytest.skip("ranks can only disagree in a world of 2 or more")
+    try:
+        call(backend, tmp_path)
+        got = None
+    except Exception as e:
+        got = e
+    outcomes = du.allgather(backend, (isinstance(got, error) and words in str(got), repr(got)))
+    assert all(ok for ok, _ in outcomes), outcomes  # every rank raised it (and none hangs)
+
+
+DTYPES = [mx.float32, mx.bfloat16, mx.float16, mx.float64, mx.int32, mx.uint8, mx.bool_, mx.complex64]
+
+
+class Everything(nn.Module):
+    """A parameter of every dtype, holding rank-dependent values."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.p = {str(d).removeprefix("mlx.core."): (mx.arange(6).reshape(2, 3) + rank).astype(d) for d in DTYPES}
+        self.p["nan"] = mx.array([np.nan, -0.0, np.inf], mx.float32)
+
+
+def test_a_checkpoint_restores_rank_0s_model_and_state_and_each_ranks_random_state(backend, tmp_path):
+    rank = du.local_rank(backend)
+    path = du.bcast(backend, str(tmp_path / "ck"))  # rank 0's directory
+    model = Everything(rank)
+    opt = optim.Adam(1e-3)
+    opt.init({"w": mx.ones(3) * rank})
+    mx.random.seed(100 + rank)
+    du.save_checkpoint(backend, path, model=model, optimizer=opt, step=7, data={"epoch": 1, "batch": 2}, extra=[rank])
+    saved_params = tree_flatten(Everything(0).parameters())
+    draws = mx.random.uniform(shape=(4,))
+
+    restored, opt2 = Everything(rank + 10), optim.Adam(1e-3)
+    mx.random.seed(0)
+    state = du.load_checkpoint(backend, path, model=restored, optimizer=opt2)
+    assert state == {"step": 7, "data": {"epoch": 1, "batch": 2}, "extra": [0]}
+    for (key, want), (_, got) in zip(saved_params, tree_flatten(restored.parameters())):
+        assert got.dtype == want.dtype, key
+        assert np.array_equal(np.array(got.view(mx.uint8)), np.array(want.view(mx.uint8))), key
+    assert mx.array_equal(opt2.state["w"]["m"], mx.zeros(3)).item() and opt2.state["step"].dtype == mx.uint64
+    assert mx.array_equal(mx.random.uniform(shape=(4,)), draws).item()  # this rank's own stream
+
+
+def test_loading_a_missing_checkpoint_gives_none_on_every_rank(backend, tmp_path):
+    path = du.bcast(backend, str(tmp_path / "none"))
+    assert du.load_checkpoint(backend, path, model=nn.Linear(2, 2)) is None
+
+
+def test_the_watchdog_numbers_and_describes_collectives(backend):
+    start = watchdog._state.seq
+    du.allreduce(backend, mx.ones((4, 2), mx.bfloat16), "avg")
+    du.barrier(backend)
+    assert watchdog._state.seq == start + 2 and watchdog._state.done == start + 2
+    assert not watchdog._state.inflight
+    def text(what, args):
+        return watchdog._format(watchdog._summary(what, args))
+
+    assert text("allreduce", (mx.ones((4, 2), mx.bfloat16), "avg")) == "(avg) bfloat16(4, 2)"
+    assert text("bcast", (np.zeros(3, np.int64), 1)) == "(root=1) int64(3,)"
+    grads = [mx.ones(3)] * 5
+    assert text("allreduce_arrays", (grads, "sum")) == "(sum) [5 arrays: float32(3,), float32(3,), float32(3,), ...]"
+    assert text("bcast_object", ({"any": "thing"}, 0)) == "(root=0)"
