@@ -2,6 +2,10 @@
 under ``du-launch`` with 2-4 processes (tests/test_multiprocess.py), every rank running the
 same tests in the same order."""
 
+import os
+import tempfile
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
@@ -19,6 +23,15 @@ settings.register_profile(
     suppress_health_check=list(HealthCheck),
 )
 settings.load_profile("ranks")
+
+
+def pytest_configure(config):
+    """Under du-launch, each rank gets its own temporary directory: ranks sharing pytest's
+    numbered directories would clean up each other's."""
+    job = os.environ.get("DU_JOB_ID")
+    rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+    if job and rank is not None and config.option.basetemp is None:
+        config.option.basetemp = str(Path(tempfile.gettempdir()) / f"du-tests-{job[:12]}" / f"rank{rank}")
 
 
 @pytest.fixture(scope="session")
