@@ -31,7 +31,9 @@ def pytest_configure(config):
     job = os.environ.get("DU_JOB_ID")
     rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
     if job and rank is not None and config.option.basetemp is None:
-        config.option.basetemp = str(Path(tempfile.gettempdir()) / f"du-tests-{job[:12]}" / f"rank{rank}")
+        job_dir = Path(tempfile.gettempdir()) / f"du-tests-{job[:12]}"
+        job_dir.mkdir(exist_ok=True)
+        config.option.basetemp = str(job_dir / f"rank{rank}")
 
 
 @pytest.fixture(scope="session")
