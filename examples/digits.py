@@ -12,6 +12,7 @@ trajectory of one process with batch N*B. Rank 0 alone logs and writes checkpoin
 
 import argparse
 import hashlib
+import os
 import sys
 import time
 
@@ -80,8 +81,8 @@ def main():
     p.add_argument("--batch-size", type=int, default=32, help="per rank (default: 32)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", metavar="DIR", help="rank 0 saves a checkpoint here after every epoch")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint DIR")
+    p.add_argument("--checkpoint", metavar="DIR", help="rank 0 saves DIR/digits.safetensors after every epoch")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in DIR, if there is one")
     args = p.parse_args()
     if args.resume and not args.checkpoint:
         p.error("--resume needs --checkpoint DIR")
@@ -96,20 +97,28 @@ def main():
     model = MLP()
     opt = du.DistributedOptimizer(backend, optim.Adam(learning_rate=args.lr))
     du.synchronize(backend, model)  # every rank now holds rank 0's weights
+    du.synchronize(backend, opt, model=model)  # and rank 0's optimizer state (created from model)
 
     # 3. The data: every rank loads the same arrays; the containers give each rank its share.
     (x_train, y_train), (x_test, y_test) = load_split(args.seed)
     train = du.DistributedDataContainer(backend, (x_train, y_train))
     test = du.DistributedDataContainer(backend, (x_test, y_test))
 
+    # 4. Resume: rank 0 reads the checkpoint and broadcasts it (weights, optimizer state, epoch).
+    path = os.path.join(args.checkpoint, "digits.safetensors") if args.checkpoint else None
     first_epoch = 0
-    if args.resume:  # every rank reads rank 0's checkpoint: weights, optimizer state, position
-        first_epoch = du.load_checkpoint(backend, args.checkpoint, model=model, optimizer=opt)["step"]
-        log(f"resumed from {args.checkpoint} after epoch {first_epoch}")
+    if args.resume:
+        saved = du.load_checkpoint(backend, path, model=model, optimizer=opt)  # collective
+        if saved is None:
+            log(f"no checkpoint at {path} yet: starting from scratch")
+        else:
+            first_epoch = saved["data"]["epoch"]
+            log(f"resumed from {path} at epoch {first_epoch + 1} (step {saved['step']})")
 
     steps = train.num_batches(args.batch_size)  # the same on every rank
     log(f"{type(backend).__name__}: {world} ranks, {len(x_train)} training images "
         f"({len(train)} on rank 0), {steps} steps of {world} x {args.batch_size} per epoch")  # fmt: skip
+    # 5. Train: the DESIGN.md loop, plus evaluation, logging and checkpoints after each epoch.
     loss_and_grad = nn.value_and_grad(model, loss_fn)
     start = time.perf_counter()
     for epoch in range(first_epoch, args.epochs):
@@ -132,8 +141,9 @@ def main():
         log(f"epoch {epoch + 1:3d}  train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
             f"test accuracy {test_acc:.4f}")  # fmt: skip
 
-        if args.checkpoint:  # collective: rank 0 writes, the others wait for the file
-            du.save_checkpoint(backend, args.checkpoint, model=model, optimizer=opt, step=epoch + 1)
+        if path:  # collective (not under `if rank == 0`): rank 0 writes, the others wait for it
+            du.save_checkpoint(backend, path, model=model, optimizer=opt, data={"epoch": epoch + 1},
+                               step=(epoch + 1) * steps)  # fmt: skip
 
     test_loss, test_acc = evaluate(backend, model, test)
     log(f"final test loss {test_loss:.4f}  test accuracy {test_acc:.4f}  "

@@ -1,0 +1,124 @@
+"""The examples, as the README runs them: 2 processes under du-launch, a few steps each."""
+
+import importlib.util
+import re
+import sys
+import types
+
+import pytest
+
+from launching import ROOT, launch
+
+DIGITS = ["python", "examples/digits.py"]
+EPOCH = re.compile(r"epoch +(\d+)  train loss ([\d.]+)  test loss ([\d.]+)  test accuracy ([\d.]+)")
+FINAL = re.compile(r"\[rank 0\] final test loss ([\d.]+)  test accuracy ([\d.]+)")
+CHECKSUM = re.compile(r"\[rank 0\] parameter checksum (\w+)")
+
+
+def digits(*args, backend="mpi"):
+    run = launch(2, backend, DIGITS + list(args), timeout=240)
+    assert run.returncode == 0, run.stdout
+    epochs = {int(m.group(1)): m.group(0) for m in EPOCH.finditer(run.stdout)}
+    final = FINAL.search(run.stdout)
+    checksum = CHECKSUM.search(run.stdout)
+    assert final and checksum, run.stdout
+    return run, epochs, float(final.group(2)), checksum.group(1)
+
+
+def test_digits_trains_past_90_percent_and_resumes_where_it_stopped(tmp_path):
+    """The README's main job (10 epochs by default), then the same run cut in two by a
+    checkpoint: the resumed run prints the same epochs and ends with the same bits."""
+    pytest.importorskip("sklearn", reason="the digits example needs the examples extra: pip install '.[examples]'")
+    whole, epochs, accuracy, checksum = digits()
+    assert sorted(epochs) == list(range(1, 11)), whole.stdout
+    losses = [float(EPOCH.search(epochs[e]).group(2)) for e in sorted(epochs)]
+    assert losses[-1] < losses[0] / 5, losses
+    assert accuracy > 0.9, whole.stdout
+    assert not re.search(r"\[rank 1\] .*(epoch|final|checksum)", whole.stdout), "only rank 0 logs"
+
+    ckpt = tmp_path / "ckpt"
+    first, first_epochs, _, _ = digits("--epochs", "4", "--checkpoint", str(ckpt), "--resume")
+    assert "no checkpoint" in first.stdout and sorted(first_epochs) == [1, 2, 3, 4]
+    assert (ckpt / "digits.safetensors").exists()
+    second, second_epochs, resumed_accuracy, resumed_checksum = digits("--checkpoint", str(ckpt), "--resume")
+    assert "resumed from" in second.stdout and "at epoch 5" in second.stdout, second.stdout
+    assert sorted(second_epochs) == list(range(5, 11)), second.stdout
+    for e in range(1, 11):  # the same losses and accuracies, printed to 4 digits
+        assert (first_epochs | second_epochs)[e] == epochs[e], (e, first.stdout, second.stdout)
+    assert (resumed_accuracy, resumed_checksum) == (accuracy, checksum), "bit-identical parameters"
+
+
+def test_llama_trains_and_reports_throughput_and_memory_per_rank():
+    run = launch(2, "mpi", ["python", "examples/llama_tinystories.py", "--steps", "2", "--block", "16",
+                            "--batch-size", "1"], timeout=240)  # fmt: skip
+    assert run.returncode == 0, run.stdout
+    assert "Llama with 28.4M parameters" in run.stdout, run.stdout
+    losses = [float(x) for x in re.findall(r"\[rank 0\] step +\d+  loss ([\d.]+)", run.stdout)]
+    assert len(losses) == 2 and losses[-1] < losses[0], run.stdout
+    for rank in (0, 1):  # gathered to rank 0, which prints a row per rank
+        assert re.search(rf"\[rank 0\] rank {rank}: +\d+ tokens/s +[\d.]+ ms/step  peak memory +[\d.]+ MiB", run.stdout)
+    assert re.search(r"\[rank 0\] total: \d+ tokens/s on 2 ranks", run.stdout), run.stdout
+
+
+def offline(monkeypatch):
+    """The example sets these (setdefault); set here, they are undone after the test."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def llama_example():
+    """examples/llama_tinystories.py as a module (its main() does not run)."""
+    spec = importlib.util.spec_from_file_location("llama_example", ROOT / "examples" / "llama_tinystories.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama_generated_stories_are_tinystories_style_bytes(llama_example):
+    tokens, source = llama_example.generated_tokens(5000, seed=0)
+    assert tokens.shape == (5000,) and source.startswith("generated")
+    assert set(tokens.tolist()) <= set(range(256)) | {llama_example.EOS}
+    text = bytes(t for t in tokens.tolist() if t < 256).decode()
+    assert "there was a little" in text
+    assert (tokens == llama_example.generated_tokens(5000, seed=0)[0]).all()  # the same on every rank
+
+
+def test_llama_reads_tinystories_with_the_gpt2_tokenizer_when_they_are_cached(llama_example, monkeypatch):
+    """The Hugging Face path, with stand-ins for the cached dataset and tokenizer."""
+    offline(monkeypatch)
+    calls = []
+
+    class Tokenizer:
+        eos_token_id = 50256
+
+        @classmethod
+        def from_pretrained(cls, name):
+            calls.append(("tokenizer", name))
+            return cls()
+
+        def __call__(self, text):
+            return {"input_ids": [len(word) for word in text.split()]}
+
+    def load_dataset(name, split):
+        calls.append(("dataset", name, split))
+        return [{"text": "Once upon a time"}, {"text": "there was a cat"}]
+
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(AutoTokenizer=Tokenizer))
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    tokens, source = llama_example.tinystories_tokens(12)
+    assert calls == [("tokenizer", "gpt2"), ("dataset", "roneneldan/TinyStories", "train")]
+    assert tokens.tolist() == [4, 4, 1, 4, 50256, 5, 3, 1, 3, 50256, 4, 4] and "TinyStories" in source
+
+
+def test_llama_falls_back_when_the_hub_is_unreachable(llama_example, monkeypatch):
+    offline(monkeypatch)
+
+    def load_dataset(name, split):
+        raise ConnectionError("Couldn't reach the Hugging Face Hub (offline mode is enabled)")
+
+    tokenizer = types.SimpleNamespace(from_pretrained=lambda name: None)
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(AutoTokenizer=tokenizer))
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    tokens, why = llama_example.tinystories_tokens(100)
+    assert tokens is None and why.startswith("ConnectionError: Couldn't reach")
