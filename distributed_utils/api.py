@@ -137,14 +137,8 @@ def barrier(backend):
 
 
 def _evaluated(out):
-    """``out``, evaluated (inside the caller's watched region) unless MLX is tracing a
-    function (``mx.compile``, ``vmap``), where it must stay a lazy graph node."""
-    if isinstance(out, mx.array):
-        try:
-            mx.eval(out)
-        except ValueError as e:
-            if "function transformations" not in str(e):
-                raise
+    """``out``, evaluated inside the caller's watched region (lazy while MLX traces a function)."""
+    watchdog.evaluate(out)
     return out
 
 

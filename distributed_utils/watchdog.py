@@ -111,6 +111,9 @@ class collective:
             return self
         if _state.timeout is None or _state.debug is None:
             configure()
+        # The inputs' own computation (a whole backward pass, say) is not the collective's:
+        # it runs before the clock starts, so a slow but healthy step is never taken for stuck.
+        evaluate(*(a for arg in self.args for a in (arg if isinstance(arg, (list, tuple)) else [arg])))
         seq = _state.seq = next(_state.counter)
         _state.rank = self.backend.rank
         self.entry = _register(seq, self.what, _summary(self.what, self.args), self.backend.rank, _state.timeout)
@@ -131,6 +134,17 @@ class collective:
         if kind is None:
             _state.done = self.entry.seq
         self.entry = self.args = None
+
+
+def evaluate(*values):
+    """``mx.eval`` the mx.arrays among ``values``, unless MLX is tracing a function
+    (``mx.compile``, ``vmap``), where they must stay lazy graph nodes."""
+    arrays = [v for v in values if isinstance(v, mx.array)]
+    try:
+        mx.eval(arrays)
+    except ValueError as e:
+        if "function transformations" not in str(e):
+            raise
 
 
 @contextlib.contextmanager
