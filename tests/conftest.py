@@ -28,12 +28,29 @@ settings.load_profile("ranks")
 def pytest_configure(config):
     """Under du-launch, each rank gets its own temporary directory: ranks sharing pytest's
     numbered directories would clean up each other's."""
+    config.addinivalue_line(
+        "markers",
+        "world(min_size=1, backend=None): a test for worlds of at least min_size ranks (and of "
+        "this backend class); deselected in the others, where it cannot mean anything",
+    )
     job = os.environ.get("DU_JOB_ID")
     rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
     if job and rank is not None and config.option.basetemp is None:
         job_dir = Path(tempfile.gettempdir()) / f"du-tests-{job[:12]}"
         job_dir.mkdir(exist_ok=True)
         config.option.basetemp = str(job_dir / f"rank{rank}")
+
+
+def pytest_collection_modifyitems(config, items):
+    backend = du.initialize()  # every rank collects the same tests, so this is collective too
+    keep = []
+    for item in items:
+        marker = item.get_closest_marker("world")
+        wanted = marker.kwargs if marker else {}
+        fits = backend.size >= wanted.get("min_size", 1) and isinstance(backend, wanted.get("backend") or du.AbstractBackend)
+        keep.append(fits)
+    config.hook.pytest_deselected(items=[item for item, fits in zip(items, keep) if not fits])
+    items[:] = [item for item, fits in zip(items, keep) if fits]
 
 
 @pytest.fixture(scope="session")
