@@ -13,12 +13,17 @@ different on every rank. Timed, each one evaluated to the end, median of --reps 
   (b) average_grads mlx.nn.average_gradients(grads, group=...): MLX's bucketed concatenate /
                     all_sum / split. MPIBackend has no mx group, so (b) runs on MLX's own MPI
                     backend, started in the same processes (du.MLXMPIBackend): the same Open MPI
-  (c) DistributedOptimizer(backend, SGD).reduce_gradients(grads), default options
+  (c) DistributedOptimizer(backend, SGD).reduce_gradients(grads), default options. With
+                    MPIBackend it overwrites grads in place (same bytes every run). Its first
+                    call raises MLX's cache limit, which (a), (b) and (d) then enjoy as well
   (d) lower bound   one all-reduce of one flat buffer of the same bytes, sum: MPI's in-place
                     Allreduce on a numpy buffer; all_sum of one flat mx.array
 
-busbw follows nccl-tests: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n.
---extra adds rows for (c) with other bucket sizes and with compression.
+busbw follows nccl-tests: algbw = bytes / median time, busbw = algbw * 2 (n - 1) / n. The ratios
+are of medians, and in parentheses the median of the per-run ratios (robust to load drift).
+--extra adds rows for (c) with other bucket sizes, with op="sum" and with compression, and for
+MPIBackend (d) on the memory of an mx.array (numpy's large buffers get transparent huge pages,
+MLX's do not, and Open MPI copies them at about half the speed).
 """
 
 import argparse
@@ -88,15 +93,24 @@ def main():
         "(c) DistributedOptimizer": lambda: opt.reduce_gradients(grads),
         "(d) one flat all-reduce": lower_bound,
     }
+    if args.extra and isinstance(backend, du.MPIBackend):  # numpy asks for huge pages, MLX does not
+        mlx_flat = mx.random.normal((nbytes // 4,), key=mx.random.key(rank))
+        mx.eval(mlx_flat)
+        methods["(d) on an mx.array's memory"] = lambda: backend.comm.Allreduce(MPI.IN_PLACE, np.asarray(mlx_flat))
     if args.extra:
         for label, kw in [("bucket_bytes=0", {"bucket_bytes": 0}), ("bucket_bytes=1MiB", {"bucket_bytes": 2**20}),
-                          ("bucket_bytes=32MiB", {"bucket_bytes": 2**25}), ("float16", {"compression": mx.float16}),
-                          ("bfloat16", {"compression": mx.bfloat16})]:  # fmt: skip
-            methods[f"(c) {label}"] = (lambda o: lambda: o.reduce_gradients(grads))(du.DistributedOptimizer(backend, optim.SGD(0.1), **kw))
+                          ("bucket_bytes=8MiB", {"bucket_bytes": 2**23}), ("bucket_bytes=32MiB", {"bucket_bytes": 2**25}),
+                          ("bucket_bytes=64MiB", {"bucket_bytes": 2**26}), ("bucket_bytes=1GiB", {"bucket_bytes": 2**30}),
+                          ("op=sum", {"op": "sum"}), ("compression=float16", {"compression": mx.float16}),
+                          ("compression=bfloat16", {"compression": mx.bfloat16})]:  # fmt: skip
+            variant = du.DistributedOptimizer(backend, optim.SGD(0.1), **kw)
+            methods[f"(c) {label}"] = (lambda o: lambda: o.reduce_gradients(grads))(variant)
 
     times = {name: [] for name in methods}
+    names = list(methods)
     for rep in range(args.warmup + args.reps):
-        for name, run in methods.items():
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:  # each goes first in turn
+            run = methods[name]
             du.barrier(backend)
             start = time.perf_counter()
             result = run()
@@ -105,9 +119,9 @@ def main():
             if rep >= args.warmup:
                 times[name].append(time.perf_counter() - start)
 
+    # a run's time is its slowest rank's
+    times = {name: np.asarray(du.allreduce(backend, np.array(t), "max")) for name, t in times.items()}
     med = {name: float(np.median(t)) for name, t in times.items()}
-    # every rank must agree before rank 0 reports: take the slowest rank's median
-    med = {name: du.allreduce(backend, m, "max") for name, m in med.items()}
     if rank != 0:
         return
     cache_limit = mx.set_cache_limit(0)
@@ -115,12 +129,13 @@ def main():
     print(f"{type(backend).__name__}, {n} processes, {len(leaves)} arrays, {nbytes / 1e6:.1f} MB float32, "
           f"median of {args.reps} after {args.warmup} warmup (slowest rank); MLX cache limit now "
           f"{cache_limit / 2**20:.0f} MiB")  # fmt: skip
-    print(f"{'method':34s} {'ms':>9s} {'algbw GB/s':>11s} {'busbw GB/s':>11s}")
+    print(f"{'method':30s} {'median ms':>10s} {'min ms':>8s} {'algbw GB/s':>11s} {'busbw GB/s':>11s}")
     for name, t in med.items():
         algbw = nbytes / t / 1e9
-        print(f"{name:34s} {t * 1e3:9.2f} {algbw:11.2f} {algbw * 2 * (n - 1) / n:11.2f}")
-    a, b, c, d = (med[k] for k in list(methods)[:4])
-    print(f"c/d = {c / d:.3f}   c/b = {c / b:.3f}   a/c = {a / c:.3f}")
+        print(f"{name:30s} {t * 1e3:10.2f} {times[name].min() * 1e3:8.2f} {algbw:11.2f} {algbw * 2 * (n - 1) / n:11.2f}")
+    a, b, c, d = names[:4]
+    ratio = lambda x, y: f"{med[x] / med[y]:.3f} (per run: {np.median(times[x] / times[y]):.3f})"  # noqa: E731
+    print(f"c/d = {ratio(c, d)}   c/b = {ratio(c, b)}   a/c = {ratio(a, c)}")
 
 
 if __name__ == "__main__":

@@ -2,19 +2,21 @@
 before the update (Lux's ``DistributedOptimizer``, Horovod's ``DistributedOptimizer``)."""
 
 import functools
+import itertools
 import operator
 
 import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
-from .backends import AbstractBackend, MPIBackend
+from .backends import AbstractBackend
 from .tree import describe, verify_same_structure
 
-#: ``bucket_bytes`` when none is given, by transport (benchmarks/gradient_reduction.py): MPI
-#: reduces arrays in place, where packing costs a memory pass, so only tiny arrays are packed;
-#: MLX's collectives pay per call, so arrays up to a few MiB travel together.
-DEFAULT_BUCKET_BYTES = {MPIBackend: 64 * 1024, AbstractBackend: 8 * 1024**2}
+#: ``bucket_bytes`` when none is given. Packing costs a memory pass, but every collective call
+#: waits for the slowest rank once; with 2 ranks on 2 cores (benchmarks/gradient_reduction.py)
+#: 32 MiB did best or within noise of best on MPIBackend, RingBackend and MLXMPIBackend alike
+#: (mlx.nn.average_gradients uses 32 MiB too).
+DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 _OPS = {"avg": "avg", "sum": "sum", operator.add: "sum"}
 
@@ -24,36 +26,44 @@ class DistributedOptimizer(optim.Optimizer):
 
     A drop-in for the wrapped optimizer: ``update``, ``apply_gradients``, ``init``, ``state``
     (the wrapped optimizer's own state, so ``du.synchronize`` and
-    ``mx.compile(step, inputs=state, outputs=state)`` see it), ``step``, ``learning_rate``
-    and any other attribute read through to ``optimizer``.
+    ``mx.compile(step, inputs=state, outputs=state)`` see it), ``step``, ``learning_rate``,
+    and any other attribute, read through to ``optimizer``.
 
-    Collective: every rank calls ``update`` (or ``apply_gradients`` or ``reduce_gradients``)
-    as often and in the same order as the others, with a tree of the same keys, shapes and
-    dtypes. The first reduction checks that, and so does any reduction whose tree differs from
-    the last one checked: a mismatch raises ``du.tree.TreeMismatchError`` on every rank.
+    Collective: every rank calls ``update`` (or ``apply_gradients``, ``reduce_gradients``) as
+    often and in the same order as the others, with trees of the same keys, shapes and dtypes
+    (frozen parameters: frozen on every rank). The first reduction verifies that, and raises
+    ``du.tree.TreeMismatchError`` on every rank otherwise. Later reductions verify again when
+    this rank's tree changed, which catches a change made on every rank; a change made on some
+    ranks only, after the first reduction, is not caught. Non-array leaves pass through.
 
     Args:
-        backend: the ``du`` backend the ranks share.
-        optimizer: any ``mlx.optimizers.Optimizer`` (``MultiOptimizer`` and schedules included).
-        op: ``"avg"`` (``du.avg``, the default: the mean over ranks, which with a mean-reduced
-            loss makes N ranks at batch B step like one process at batch N*B) or ``"sum"``.
-        accumulate_steps: k > 1 adds the gradients of k calls locally and reduces once, on the
-            k-th call, the mean (op "avg") or the sum of the k. The other calls communicate
-            nothing and leave the model and the optimizer state as they are. The count lives
-            in Python, so keep ``update`` outside ``mx.compile`` then.
-        compression: ``mx.float16`` or ``mx.bfloat16`` to send wider float gradients in that
-            dtype: divided by the world size first (no overflow in the sum), cast back after.
-            MPI has no 16-bit float type: MPIBackend rounds as asked but sends float32.
+        backend: the backend the ranks share (``du.get_distributed_backend(...)``).
+        optimizer: any ``mlx.optimizers.Optimizer``, ``MultiOptimizer`` and schedules included.
+        op: ``"avg"`` (``du.avg``, the default) or ``"sum"``. With a mean-reduced loss, "avg"
+            makes N ranks at batch B step like one process at batch N*B.
+        accumulate_steps: k > 1 adds up the gradients of k calls locally and reduces once, on
+            the k-th call, their mean (op "avg": like one process at batch k*N*B) or sum. The
+            other calls send nothing and leave the model, the step and the state as they are
+            (``apply_gradients`` returns the parameters). The count lives in Python, so keep
+            ``update`` out of ``mx.compile`` then.
+        compression: ``mx.bfloat16`` or ``mx.float16``: wider float gradients travel in that
+            dtype, divided by the world size first (so the sum cannot overflow) and cast back
+            after. MPI has no 16-bit float type, so MPIBackend sends float32 (rounding only).
+            On CPUs without float16 arithmetic (x86) MLX sums float16 slowly: use bfloat16.
         bucket_bytes: arrays smaller than this travel packed together, up to this many bytes
-            per collective; 0 sends each array alone. Default: ``DEFAULT_BUCKET_BYTES``.
+            a collective (packing costs a memory pass); 0 sends every array alone. Default:
+            ``DEFAULT_BUCKET_BYTES`` (32 MiB).
 
-    Speed: on MLX backends the reduction is lazy (``mx.distributed.all_sum``) and composes
-    with ``mx.compile``; the structure check runs when the step is traced. MPIBackend is
-    eager: it evaluates the gradients and reduces them **in place**, through zero-copy numpy
-    views, so after the call ``grads`` holds the reduced values; an array that shares memory
-    with another leaf, or is not contiguous, is reduced into a new array instead. The first
-    reduction raises MLX's cache limit (``mx.set_cache_limit``, never lowered) to 4x the
-    gradient bytes, so that the step's large buffers are reused instead of freshly mapped.
+    Speed: on MLX backends the reduction is lazy (``mx.distributed.all_sum``) and composes with
+    ``mx.compile``; the structure check runs when the step is traced. MPIBackend is eager, so it
+    cannot run inside ``mx.compile``: it evaluates the gradients and reduces them in their own
+    memory (zero-copy numpy views; no copy), so afterwards the arrays in ``gradients`` hold the
+    result, as does any array sharing their memory (``mx.array(g)`` does) or any lazy graph that
+    reads them and is evaluated later. Leaves that share memory with one another or are not
+    contiguous are reduced in copies. The first reduction raises MLX's cache limit to 4x the
+    gradient bytes (``mx.set_cache_limit``; never lowered): on CPU it is 32 MiB by default, and
+    every larger buffer a step frees is unmapped and mapped anew the next step, at the cost of
+    page faults and zeroing (several times a memory pass).
     """
 
     def __init__(self, backend, optimizer, *, op="avg", accumulate_steps=1, compression=None, bucket_bytes=None):
@@ -67,8 +77,7 @@ class DistributedOptimizer(optim.Optimizer):
             raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
         if compression is not None and compression not in (mx.float16, mx.bfloat16):
             raise ValueError(f"compression must be None, mx.float16 or mx.bfloat16, got {compression!r}")
-        if bucket_bytes is None:
-            bucket_bytes = next(v for t, v in DEFAULT_BUCKET_BYTES.items() if isinstance(backend, t))
+        bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         self.backend, self.optimizer, self.op = backend, optimizer, _OPS[op]
         self.accumulate_steps, self.compression, self.bucket_bytes = accumulate_steps, compression, bucket_bytes
         self._checked = None  # the description of the tree last verified across ranks
@@ -174,24 +183,24 @@ class DistributedOptimizer(optim.Optimizer):
     def _bucketed(self, arrays, op):
         """``backend.allreduce_arrays`` on ``arrays``, the small ones packed by dtype into
         buckets of up to ``bucket_bytes``; the results in the order of ``arrays``."""
-        groups, open_ = [], {}
+        groups, open_ = [], {}  # open_: the bucket being filled, and its bytes, by dtype
         for i, a in enumerate(arrays):
             if a.nbytes >= self.bucket_bytes:
                 groups.append([i])
                 continue
-            bucket = open_.get(a.dtype)
-            if bucket is None or sum(arrays[j].nbytes for j in bucket) + a.nbytes > self.bucket_bytes:
-                bucket = open_[a.dtype] = []
+            bucket, nbytes = open_.get(a.dtype, (None, 0))
+            if bucket is None or nbytes + a.nbytes > self.bucket_bytes:
+                bucket, nbytes = [], 0
                 groups.append(bucket)
             bucket.append(i)
+            open_[a.dtype] = (bucket, nbytes + a.nbytes)
         flat = [arrays[g[0]] if len(g) == 1 else mx.concatenate([arrays[i].reshape(-1) for i in g]) for g in groups]
         out = [None] * len(arrays)
         for group, r in zip(groups, self.backend.allreduce_arrays(flat, op, in_place=True)):
             if len(group) == 1:
                 out[group[0]] = r
                 continue
-            sizes = [arrays[i].size for i in group]
-            cuts = [sum(sizes[: j + 1]) for j in range(len(sizes) - 1)]
+            cuts = list(itertools.accumulate(arrays[i].size for i in group))[:-1]
             for i, part in zip(group, mx.split(r, cuts)):
                 out[i] = part.reshape(arrays[i].shape)
         return out

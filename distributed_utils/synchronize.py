@@ -64,6 +64,7 @@ def _synchronize_optimizer(backend, opt, root, model, what):
 
 def _has_state(opt) -> bool:
     """Whether ``opt.state`` holds per-parameter entries (it does after ``init`` or an update)."""
+    opt = getattr(opt, "optimizer", opt)  # a DistributedOptimizer's wrapped one
     if isinstance(opt, MultiOptimizer):
         return all(_has_state(o) for o in opt.optimizers)
     return any(isinstance(v, (dict, list, tuple)) for v in opt.state.values())

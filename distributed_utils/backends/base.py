@@ -59,8 +59,9 @@ class AbstractBackend(abc.ABC):
     def barrier(self):
         """Returns on each rank once every rank has called it."""
 
-    def allreduce_arrays(self, arrays: list, op: str) -> list:
-        """Reduce many arrays at once; transports override this with their fastest form."""
+    def allreduce_arrays(self, arrays: list, op: str, in_place: bool = False) -> list:
+        """Reduce many arrays at once; transports override this with their fastest form.
+        ``in_place``: the caller hands the arrays over, and a transport may overwrite them."""
         return [self.allreduce(a, op) for a in arrays]
 
     def bcast_object(self, obj, root: int):

@@ -43,13 +43,15 @@ class MPIBackend(AbstractBackend):
         return like(out.view(dtype), x)
 
     def allreduce_arrays(self, arrays, op, in_place=False):
-        """With ``in_place=True`` the caller hands ``arrays`` over: each one that is C-contiguous,
-        shares no memory with another and has an MPI type (not 16-bit floats, not bool) is
-        evaluated and reduced ("sum" or "avg") in its own memory through a zero-copy numpy view,
-        and returned as the same object. The rest, and every array without ``in_place``, get
-        new arrays."""
+        """With ``in_place=True`` the caller hands ``arrays`` over: each one that is C-contiguous
+        and shares no memory with another is evaluated and reduced ("sum" or "avg") in its own
+        memory through a zero-copy numpy view, and returned as the same object. 16-bit floats
+        (no MPI type) are reduced in a float32 copy. The rest, and every array without
+        ``in_place``, get new arrays."""
         if not in_place or op not in ("sum", "avg"):
             return super().allreduce_arrays(arrays, op)
+        narrow = [a.dtype if isinstance(a, mx.array) and a.dtype in (mx.float16, mx.bfloat16) else None for a in arrays]
+        arrays = [a if d is None else a.astype(mx.float32) for a, d in zip(arrays, narrow)]
         try:
             mx.eval([a for a in arrays if isinstance(a, mx.array)])
         except (ValueError, RuntimeError) as e:  # MLX refuses to evaluate while tracing
@@ -59,21 +61,34 @@ class MPIBackend(AbstractBackend):
                 "MPIBackend reduces evaluated host buffers, so it cannot run inside mx.compile or "
                 "mx.vmap: compile the gradient computation and reduce outside it (or use an MLX backend)"
             ) from e
-        out, taken = [], []
+        # Decide (and copy) everything before overwriting anything: arrays may share memory. Only
+        # the copying depends on this rank; the MPI calls depend on dtypes and sizes alone.
+        plans, taken = [], []
         for a in arrays:
-            view = _own_view(a, taken)
-            if view is None:  # a new array; host_view needs a contiguous one
-                out.append(self.allreduce(mx.contiguous(a) if isinstance(a, mx.array) else np.ascontiguousarray(a), op))
-                continue
-            flat = view.reshape(-1)
-            step = max(1, _CHUNK_BYTES // flat.itemsize)
-            for start in range(0, flat.size, step):  # chunks: the scaling finds them in cache
-                chunk = flat[start : start + step]
-                self.comm.Allreduce(self._MPI.IN_PLACE, chunk, op=self._MPI.SUM)
-                if op == "avg":
-                    np.multiply(chunk, 1 / self.size, out=chunk, casting="unsafe")
-            out.append(a)
+            view = _own_view(a, taken) if _in_place_dtype(a.dtype) else None
+            copy = view is None and _in_place_dtype(a.dtype)
+            if copy:
+                view = np.array(host_view(a) if isinstance(a, mx.array) else a, order="C")
+            plans.append((a, view, copy))
+        for _, view, _ in plans:
+            if view is not None:
+                self._sum_in_place(view)
+        out = []
+        for (a, view, copy), narrow_dtype in zip(plans, narrow):
+            if view is None:
+                a = self.allreduce(a, op)
+            else:
+                if op == "avg":  # after all the sums: scaling between them would skew the ranks
+                    np.multiply(view, 1 / self.size, out=view, casting="unsafe")
+                a = like(view, a) if copy else a
+            out.append(a if narrow_dtype is None else a.astype(narrow_dtype))
         return out
+
+    def _sum_in_place(self, view):
+        flat = view.reshape(-1)
+        step = max(1, _PIECE_BYTES // flat.itemsize)
+        for start in range(0, flat.size, step):
+            self.comm.Allreduce(self._MPI.IN_PLACE, flat[start : start + step], op=self._MPI.SUM)
 
     def bcast(self, x, root):
         buf = host_view(x)
@@ -94,27 +109,30 @@ class MPIBackend(AbstractBackend):
         self.comm.Barrier()
 
 
-#: Arrays reduced in place go through MPI in pieces of this size (see allreduce_arrays).
-_CHUNK_BYTES = 4 * 1024**2
+#: In-place reductions go through MPI in pieces of this size: on one host (Open MPI 5, 2 ranks)
+#: 113 MB of MLX arrays took 29 ms in 4 MiB pieces against 62 ms in one call.
+_PIECE_BYTES = 4 * 2**20
+
+
+def _in_place_dtype(dtype) -> bool:
+    """Whether MPI can sum arrays of ``dtype`` in place (16-bit floats and bool: no)."""
+    if isinstance(dtype, np.dtype):
+        return dtype.kind in "iufc" and dtype != np.float16
+    return dtype not in (mx.float16, mx.bfloat16, mx.bool_)
 
 
 def _own_view(a, taken: list):
-    """``a``'s memory as a numpy array that MPI can reduce in place, or None: it must be
-    writable, C-contiguous, of an MPI type, and overlap no span in ``taken`` (which it joins)."""
-    if isinstance(a, mx.array):
-        if a.dtype in (mx.float16, mx.bfloat16, mx.bool_):
-            return None
-        a = host_view(a)
-    if a.dtype.kind not in "iufc" or a.dtype == np.float16 or a.size == 0:
+    """``a``'s own memory as a writable C-contiguous numpy array that overlaps no span in
+    ``taken`` (it joins them), or None."""
+    view = host_view(a) if isinstance(a, mx.array) else a
+    if not (view.flags.c_contiguous and view.flags.writeable) or view.size == 0:
         return None
-    if not (a.flags.c_contiguous and a.flags.writeable):
-        return None
-    start = a.__array_interface__["data"][0]
-    end = start + a.nbytes
+    start = view.__array_interface__["data"][0]
+    end = start + view.nbytes
     if any(s < end and start < e for s, e in taken):
         return None
     taken.append((start, end))
-    return a
+    return view
 
 
 def host_view(x) -> np.ndarray:
@@ -122,6 +140,7 @@ def host_view(x) -> np.ndarray:
     if isinstance(x, mx.array):
         if x.dtype == mx.bfloat16:
             x = x.view(mx.uint16)
+        x = mx.contiguous(x)  # transposed, broadcast or sliced arrays have no flat buffer
         mx.eval(x)
         return np.asarray(x)
     return np.require(x, requirements="C")

@@ -114,6 +114,16 @@ def test_float64_keeps_its_precision(backend):
     assert np.array_equal(du.bcast(backend, x), x) and du.allgather(backend, x).dtype == np.float64
 
 
+def test_arrays_without_a_flat_buffer(backend):
+    """Transposed, broadcast and sliced arrays reduce like their contiguous copies."""
+    size = du.total_workers(backend)
+    base = mx.arange(12, dtype=mx.float32).reshape(3, 4)
+    for x in (base.T, mx.broadcast_to(base[:1], (3, 4)), base[:, ::2]):
+        out = du.allreduce(backend, x, "sum")
+        assert out.shape == x.shape and mx.array_equal(out, x * size).item()
+        assert mx.array_equal(du.bcast(backend, x), x).item()
+
+
 def test_ranks(backend):
     rank, size = du.local_rank(backend), du.total_workers(backend)
     assert 0 <= rank < size

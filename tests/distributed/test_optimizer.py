@@ -22,7 +22,7 @@ OPTIMIZERS = {
     "adamw-schedule": lambda: optim.AdamW(optim.cosine_decay(2e-2, 8), weight_decay=0.05),
     "multi": lambda: optim.MultiOptimizer([optim.SGD(0.05), optim.Adam(1e-2)], [lambda k, _: "bias" in k]),
 }
-MLX_BACKEND = pytest.mark.skipif("not isinstance(du.initialize(), du.MLXBackend)")
+MLX_BACKEND = pytest.mark.world(backend=du.MLXBackend)
 
 
 def mlp(seed=0):
@@ -95,6 +95,19 @@ def test_n_ranks_train_like_one_process_with_n_times_the_batch(backend, name):
     assert not np.allclose(np.array(got.parameters()["layers"][0]["weight"]), np.array(mlp().parameters()["layers"][0]["weight"]))
     if name != "multi":
         assert opt.step.item() == 4
+
+
+EVERY_OPTIMIZER = sorted(
+    (c for c in vars(optim).values() if isinstance(c, type) and issubclass(c, optim.Optimizer)
+     and c not in (optim.Optimizer, optim.MultiOptimizer)), key=lambda c: c.__name__)  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", EVERY_OPTIMIZER, ids=lambda c: c.__name__)
+def test_every_mlx_optimizer_trains_like_one_process(backend, cls):
+    full, mine = reference_and_mine(backend, batch=2, steps=2)
+    expected = train(mlp(), cls(learning_rate=1e-2), full)
+    got = train(mlp(), du.DistributedOptimizer(backend, cls(learning_rate=1e-2)), mine)
+    assert_same_parameters(got, expected)
 
 
 @settings(max_examples=4)
@@ -170,20 +183,32 @@ def test_reduce_gradients_matches_the_mean_or_sum_for_every_bucketing(backend, b
     np.testing.assert_allclose(np.array(out["tail"][0]), mean_over_ranks(backend, (5,), seed=99) * (n if op == "sum" else 1), rtol=1e-5)
 
 
-def test_arrays_sharing_memory_or_not_contiguous_are_reduced_once_each(backend):
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_arrays_sharing_memory_or_not_contiguous_are_reduced_once_each(backend, op):
     rank = du.local_rank(backend)
     base = contribution(rank, (4, 6))
     mx.eval(base)
     grads = {"a": base, "same": base, "t": base.T, "slice": base[1:3], "broadcast": mx.broadcast_to(base[0], (3, 6))}
-    out = du.DistributedOptimizer(backend, optim.SGD(0.1), bucket_bytes=0).reduce_gradients(grads)
-    want = mean_over_ranks(backend, (4, 6))
+    out = du.DistributedOptimizer(backend, optim.SGD(0.1), op=op, bucket_bytes=0).reduce_gradients(grads)
+    want = mean_over_ranks(backend, (4, 6)) * (du.total_workers(backend) if op == "sum" else 1)
     for key, expect in {"a": want, "same": want, "t": want.T, "slice": want[1:3], "broadcast": np.broadcast_to(want[0], (3, 6))}.items():
         np.testing.assert_allclose(np.array(out[key]), expect, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+def test_ranks_whose_arrays_share_memory_differently_still_agree(backend):
+    rank = du.local_rank(backend)
+    big = contribution(rank, (1536, 1024))  # MPIBackend: rank 0 reduces "b" (it aliases "a") in a copy
+    mx.eval(big)
+    grads = {"a": big, "b": big if rank == 0 else mx.array(np.array(big)), "c": contribution(rank, (3,))}
+    out = du.DistributedOptimizer(backend, optim.SGD(0.1), op="sum", bucket_bytes=0).reduce_gradients(grads)
+    want = mean_over_ranks(backend, (1536, 1024)) * du.total_workers(backend)
+    for key in ("a", "b"):
+        np.testing.assert_allclose(np.array(out[key]), want, rtol=1e-5, atol=1e-5, err_msg=key)
+    np.testing.assert_allclose(np.array(out["c"]), mean_over_ranks(backend, (3,)) * du.total_workers(backend), rtol=1e-5)
+
+
+@pytest.mark.world(min_size=2, backend=du.MPIBackend)
 def test_mpi_reduces_evaluated_gradients_in_place(backend):
-    if not isinstance(backend, du.MPIBackend) or du.total_workers(backend) == 1:
-        pytest.skip("in-place reduction is MPIBackend's, with more than one rank")
     grads = {"w": contribution(du.local_rank(backend), (64, 64))}
     mx.eval(grads)
     out = du.DistributedOptimizer(backend, optim.SGD(0.1), bucket_bytes=0).reduce_gradients(grads)
@@ -238,23 +263,23 @@ def compiled_step(model, opt):
 
 
 @MLX_BACKEND
-def test_compiled_train_step_with_the_wrapper_inside(backend):
+@pytest.mark.parametrize("compression", [None, mx.bfloat16], ids=str)
+def test_compiled_train_step_with_the_wrapper_inside(backend, compression):
     full, mine = reference_and_mine(backend, batch=3, steps=4)
     expected = train(mlp(), OPTIMIZERS["adamw-schedule"](), full)
-    model, opt = mlp(), du.DistributedOptimizer(backend, OPTIMIZERS["adamw-schedule"]())
+    model, opt = mlp(), du.DistributedOptimizer(backend, OPTIMIZERS["adamw-schedule"](), compression=compression)
     step = compiled_step(model, opt)
     for x, y in mine:
         mx.eval(step(x, y), model.parameters(), opt.state)
-    assert_same_parameters(model, expected)
+    assert_same_parameters(model, expected, *((1e-4, 1e-5) if compression is None else (2e-2, 2e-3)))
     assert opt.step.item() == 4
 
 
+@pytest.mark.world(min_size=2, backend=du.MPIBackend)
 def test_mpi_reduces_outside_compile_and_the_rest_compiles(backend):
     """MPIBackend's reduction is eager (host buffers), so it cannot be traced: a compiled step
     with update() inside raises on every rank; compiling the gradient and the optimizer rule
     around an eager reduce_gradients trains like one process."""
-    if not isinstance(backend, du.MPIBackend) or du.total_workers(backend) == 1:
-        pytest.skip("MPIBackend with more than one rank")
     full, mine = reference_and_mine(backend, batch=3, steps=3)
     expected = train(mlp(), optim.Adam(1e-2), full)
     with pytest.raises(ValueError, match="mx.compile"):  # (a failed trace leaves its model unusable)
@@ -308,7 +333,7 @@ def test_a_backend_class_or_a_non_optimizer_is_refused(backend):
 
 # ---- mismatched trees raise on every rank ----
 
-MULTI_RANK = pytest.mark.skipif("du.total_workers(du.initialize()) == 1")
+MULTI_RANK = pytest.mark.world(min_size=2)
 
 
 @MULTI_RANK
