@@ -24,10 +24,11 @@ from .backends import (
     NCCLBackend,
     RingBackend,
 )
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import DistributedDataContainer
 from .optimizer import DistributedOptimizer
 from .synchronize import synchronize
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .tree import TreeMismatchError
 from .watchdog import CollectiveMismatchError, watch
 
 __version__ = "0.1.0"
