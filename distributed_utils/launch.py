@@ -341,20 +341,31 @@ class Report:
 
 def forward(stream, out, rank, report):
     """Copy ``stream`` to ``out`` line by line, each line prefixed with its rank
-    (``rank=None``: the rank comes from mpirun's ``--output tag`` prefix), and scan it."""
-    for line in iter(stream.readline, b""):
+    (``rank=None``: the rank comes from mpirun's ``--output tag`` prefix), and scan it.
+    A carriage return ends a line too, so progress bars redraw in place, each with its rank."""
+    last_rank, continued = None, False  # continued: the last piece was a progress-bar redraw
+    for line in _pieces(stream):
         tagged, line_rank = True, rank
         if rank is None:
             m = _TAG.match(line)
-            tagged, line_rank = bool(m), int(m.group(1)) if m else None
-            prefix = b"[rank %s] " % m.group(1) if m else b""
+            tagged, line_rank = bool(m) or continued, int(m.group(1)) if m else (last_rank if continued else None)
             line = line[m.end():] if m else line
-        else:
-            prefix = b"[rank %d] " % rank
+        prefix = b"[rank %d] " % line_rank if line_rank is not None else b""
         report.scan(line, line_rank, tagged)
         with _print_lock:
             out.write(prefix + line)
             out.flush()
+        last_rank, continued = line_rank, line.endswith(b"\r")
+
+
+def _pieces(stream):
+    """``stream``'s bytes in pieces that each end with a newline or a carriage return."""
+    rest = b""
+    while chunk := stream.read1(1 << 16):
+        *pieces, rest = re.split(rb"(?<=\n)|(?<=\r)(?!\n)", rest + chunk)
+        yield from pieces
+    if rest:
+        yield rest
 
 
 def supervise(procs, world_size, tagged=False):
