@@ -124,7 +124,13 @@ def _in_place_dtype(dtype) -> bool:
 def _own_view(a, taken: list):
     """``a``'s own memory as a writable C-contiguous numpy array that overlaps no span in
     ``taken`` (it joins them), or None."""
-    view = host_view(a) if isinstance(a, mx.array) else a
+    view = a
+    if isinstance(a, mx.array):  # its raw memory: host_view would hand a strided array's copy
+        mx.eval(a)
+        try:
+            view = np.asarray(a)
+        except BufferError:  # layouts numpy cannot view
+            return None
     if not (view.flags.c_contiguous and view.flags.writeable) or view.size == 0:
         return None
     start = view.__array_interface__["data"][0]
