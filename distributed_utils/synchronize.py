@@ -10,9 +10,9 @@ from mlx.optimizers import MultiOptimizer, Optimizer
 from mlx.utils import tree_flatten
 
 from .api import _check_root, bcast
+from .backends.base import UINT_BY_SIZE
 from .tree import TreeMismatchError, describe, verify_same_structure
 
-_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _RUN_BYTES = 16 * 2**20
 _MX_DTYPES = {str(d): d for d in vars(mx).values() if isinstance(d, mx.Dtype)}  # mx dtypes do not pickle
 
@@ -92,7 +92,7 @@ def _synchronize_tree(backend, tree, root, what):
             bcast(backend, bits[0] if len(bits) == 1 else mx.concatenate(bits), root)
             continue
         sizes = [arrays[i].nbytes // width for i in run]
-        buf = bcast(backend, mx.zeros((sum(sizes),), _UINT[width]), root)
+        buf = bcast(backend, mx.zeros((sum(sizes),), UINT_BY_SIZE[width]), root)
         for i, start, n in zip(run, itertools.accumulate([0] + sizes), sizes):
             pieces[i] = buf[start : start + n]
     if backend.rank == root:
@@ -140,7 +140,7 @@ def _bits(a) -> mx.array:
     """``a``'s bits as a flat ``mx.array`` of unsigned ints of width ``_width(a)``."""
     if isinstance(a, np.ndarray):
         return mx.array(np.ascontiguousarray(a).reshape(-1).view(f"u{_width(a)}"))
-    return a.reshape(-1).view(_UINT[_width(a)])
+    return a.reshape(-1).view(UINT_BY_SIZE[_width(a)])
 
 
 class _Slot:

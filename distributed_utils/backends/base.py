@@ -135,6 +135,10 @@ for _name in COLLECTIVES:
     setattr(AbstractBackend, _name, _watched(_name, AbstractBackend.__dict__[_name]))
 
 
+#: The unsigned integer dtype of each item size in bytes: views that carry any array's bits.
+UINT_BY_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
 def mx_from_numpy(a: np.ndarray) -> mx.array:
     """A copy of ``a`` as an mx.array of the same dtype (``mx.array`` alone makes float64 float32)."""
     return mx.array(a, dtype=getattr(mx, a.dtype.name.replace("bool", "bool_")))

@@ -13,10 +13,9 @@ import socket
 import mlx.core as mx
 import numpy as np
 
-from .base import AbstractBackend, BackendUnavailableError, mx_from_numpy
+from .base import UINT_BY_SIZE, AbstractBackend, BackendUnavailableError, mx_from_numpy
 from .mpi_library import launched_by_mpirun, start_mlx_mpi
 
-_BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _REDUCE = {"sum": mx.distributed.all_sum, "max": mx.distributed.all_max, "min": mx.distributed.all_min}
 
 
@@ -65,7 +64,7 @@ class MLXBackend(AbstractBackend):
 
     def bcast(self, x, root):
         def run(a):
-            bits = a.reshape(-1).view(_BITS[a.dtype.size])
+            bits = a.reshape(-1).view(UINT_BY_SIZE[a.dtype.size])
             mine = bits if self.rank == root else mx.zeros_like(bits)
             return self._sum(mine).view(a.dtype).reshape(a.shape)
 
