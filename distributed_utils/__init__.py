@@ -1,6 +1,7 @@
 """distributed_utils: Lux.jl's DistributedUtils for MLX. See README.md."""
 
 from .api import (
+    CollectiveMismatchError,
     allgather,
     allreduce,
     avg,
@@ -26,9 +27,9 @@ from .backends import (
 )
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import DistributedDataContainer
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, reduce_gradients
 from .synchronize import synchronize
 from .tree import TreeMismatchError
-from .watchdog import CollectiveMismatchError, watch
+from .watchdog import watch
 
 __version__ = "0.1.0"

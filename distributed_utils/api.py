@@ -1,32 +1,39 @@
-"""initialize / get_distributed_backend and the collectives, for any backend.
+"""initialize / get_distributed_backend, and the one door for every collective.
 
-Every function here that takes a backend is collective: all ranks call it, in the
-same order, with arrays of the same shape and dtype. Each runs under the watchdog
-(``watchdog.py``) and returns evaluated arrays, except inside ``mx.compile``/``vmap``
-where MLX results stay lazy.
+Every function here that takes a backend is collective: all ranks call it, in the same order,
+with arrays of the same shape and dtype. Every collective the library issues, its own
+included (synchronize, the optimizer, checkpoints, data), passes through ``_door``: its inputs
+are evaluated, then, watched (``watchdog.py``), the debug check runs, the backend's primitive
+runs and its result is evaluated. Results stay lazy only while MLX traces a function
+(``mx.compile``, ``vmap``).
 """
 
 import operator
-import os
+import pickle
+import socket
 
 import mlx.core as mx
 import numpy as np
 
 from . import watchdog
-from .backends import BY_LAUNCH_NAME, OPS, AbstractBackend, MLXBackend, RingBackend
+from .arrays import check_travels, is_array, is_floating, to_mx, to_numpy
+from .backends import BY_LAUNCH_NAME, AbstractBackend, MLXBackend, RingBackend, environment
 
 #: Lux's ``DistributedUtils.avg``: the averaging reduction op.
 avg = "avg"
 
 _BACKENDS = {}
 
-_OP_ALIASES = {
+_OPS = {
+    "sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "prod",
     operator.add: "sum", operator.mul: "prod", max: "max", min: "min",
     np.add: "sum", np.multiply: "prod", np.maximum: "max", np.minimum: "min",
     mx.add: "sum", mx.multiply: "prod", mx.maximum: "max", mx.minimum: "min",
 }  # fmt: skip
 
-_DTYPES = ", ".join(["bool", "(u)int8-64", "float16", "bfloat16", "float32", "float64", "complex64"])
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks issued different collectives (debug mode); raised on every rank with the same message."""
 
 
 def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> AbstractBackend:
@@ -39,15 +46,42 @@ def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> Abst
     op, shapes and dtypes across ranks first (default ``DU_DEBUG``). Pass the same on every rank.
     """
     if backend_type is None:
-        backend_type = launched_backend_type()
+        name = environment.launched_backend_name()
+        if name is not None and name not in BY_LAUNCH_NAME:
+            raise ValueError(f"DU_BACKEND={name!r} is not one of {sorted(BY_LAUNCH_NAME)}")
+        backend_type = RingBackend if name is None else BY_LAUNCH_NAME[name]
     _check_backend_type(backend_type)
     watchdog.configure(timeout, debug)
     if backend_type not in _BACKENDS:
         with watchdog.connecting(f"initialize({backend_type.__name__})"):
             backend = backend_type(**kwargs)
-            backend.handshake()
+            _handshake(backend)
         _BACKENDS[backend_type] = backend
     return _BACKENDS[backend_type]
+
+
+def _handshake(backend):
+    """Learn ``node_rank``, and check that every rank belongs to the job the launcher
+    started (two jobs on one port cross-connect)."""
+    expected = environment.expected_world_size()
+    if expected is not None and expected != backend.size:
+        raise environment.BackendUnavailableError(
+            f"{type(backend).__name__}: the launcher started {expected} processes but this "
+            f"backend sees a world of {backend.size}; launch with "
+            f"`du-launch --backend {backend.launch_name}` (it was "
+            f"`--backend {environment.launched_backend_name()}`)"
+        )
+    peers = allgather(backend, (socket.gethostname(), environment.job_id()))
+    by_job = {}
+    for rank, (_, job) in enumerate(peers):
+        by_job.setdefault(job, []).append(rank)
+    if len(by_job) > 1:
+        raise RuntimeError(
+            f"{type(backend).__name__}: rank {backend.rank} is connected to processes of another "
+            f"job (ranks by job id: {by_job}); two jobs share a port"
+        )
+    hosts = [host for host, _ in peers]
+    backend.node_rank = hosts[: backend.rank].count(hosts[backend.rank])
 
 
 def initialized(backend_type) -> bool:
@@ -67,41 +101,32 @@ def get_distributed_backend(backend_type) -> AbstractBackend:
     return _BACKENDS[backend_type]
 
 
-def launched_backend_type() -> type:
-    """The backend class the launcher asked for (``DU_BACKEND``), else a guess from the environment."""
-    name = os.environ.get("DU_BACKEND")
-    if name is not None:
-        if name not in BY_LAUNCH_NAME:
-            raise ValueError(f"DU_BACKEND={name!r} is not one of {sorted(BY_LAUNCH_NAME)}")
-        return BY_LAUNCH_NAME[name]
-    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
-        return BY_LAUNCH_NAME["mpi"]
-    return RingBackend  # with no MLX_HOSTFILE: a world of one process
-
-
 def local_rank(backend) -> int:
     """This process's rank in the whole job (Lux's ``local_rank``: 0 .. total_workers - 1)."""
-    return _check_backend(backend).rank
+    return check_backend(backend).rank
 
 
 def total_workers(backend) -> int:
     """The number of processes in the job."""
-    return _check_backend(backend).size
+    return check_backend(backend).size
 
 
 def node_rank(backend) -> int:
     """This process's rank among the job's processes on the same host."""
-    return _check_backend(backend).node_rank
+    return check_backend(backend).node_rank
+
+
+# --- the collectives -------------------------------------------------------------------
 
 
 def bcast(backend, x, root: int = 0):
     """Root's ``x`` on every rank, bit for bit. Arrays of the same shape and dtype on every
     rank; anything else (scalars, str, None, picklable objects) is sent whole from root."""
-    _check_root(backend, root)
-    if _is_array(x):
-        with watchdog.collective(backend, "bcast", (_check_array(x), root)):
-            return _evaluated(backend.bcast(x, root))
-    return backend.bcast_object(x, root)
+    check_root(backend, root)
+    if not is_array(x):
+        return _bcast_object(backend, x, root)
+    arr, back = _as_mx(x)
+    return back(_door(backend, "bcast", arr, lambda a: _bytes_for_bool(backend.bcast, a, root), f"root={root}"))
 
 
 def allreduce(backend, x, op):
@@ -109,37 +134,197 @@ def allreduce(backend, x, op):
     "max", "min", "prod", or operator.add, max, min, operator.mul. Returns the kind of ``x``
     (mx.array, numpy array or Python scalar). Bools: sum/max are OR, min/prod are AND."""
     op = _op_name(op)
-    arr, back = _as_array(_check_backend(backend), x)
+    check_backend(backend)
+    arr, back = _as_mx(x) if is_array(x) else _number_as_mx(x)
     _check_op_dtype(op, arr.dtype)
-    with watchdog.collective(backend, "allreduce", (arr, op)):
-        return back(_evaluated(backend.allreduce(arr, op)))
+    if arr.dtype == mx.bool_:  # as bytes: MPI aborts on bools
+        op = "max" if op in ("sum", "max") else "min"
+        return back(_reduce(backend, "allreduce", arr.astype(mx.uint8), op).astype(mx.bool_))
+    return back(_reduce(backend, "allreduce", arr, op))
 
 
 def reduce(backend, x, op, root: int = 0):
     """Like ``allreduce``; the result is defined on ``root`` (other ranks get it too)."""
-    _check_root(backend, root)
+    check_root(backend, root)
     return allreduce(backend, x, op)
 
 
 def allgather(backend, x):
     """Arrays: every rank's ``x`` concatenated along the first axis in rank order (0-d arrays
     become a 1-d array of length total_workers). Anything else: a list of every rank's ``x``."""
-    _check_backend(backend)
-    if _is_array(x):
-        with watchdog.collective(backend, "allgather", (_check_array(x),)):
-            return _evaluated(backend.allgather(x))
-    return backend.allgather_object(x)
+    check_backend(backend)
+    if not is_array(x):
+        return _allgather_object(backend, x)
+    arr, back = _as_mx(x)
+    arr = arr.reshape(1) if arr.ndim == 0 else arr
+    return back(_door(backend, "allgather", arr, lambda a: _bytes_for_bool(backend.allgather, a)))
 
 
 def barrier(backend):
     """Returns on each rank once every rank has reached it."""
-    _check_backend(backend).barrier()
+    _door(check_backend(backend), "barrier", None, lambda _: backend.barrier())
 
 
-def _evaluated(out):
-    """``out``, evaluated inside the caller's watched region (lazy while MLX traces a function)."""
-    watchdog.evaluate(out)
+def allreduce_arrays(backend, arrays: list, op: str = "sum", scale: float = 1.0, *, in_place=False) -> list:
+    """Collective: each floating or integer mx.array of ``arrays`` reduced with ``op`` ("sum",
+    "avg", "max", "min", "prod"), sums multiplied by ``scale``. ``in_place``: the caller hands
+    the arrays over, and the transport may write the results into their memory (MPIBackend does)."""
+    return _reduce(backend, "allreduce_arrays", arrays, op, scale, in_place)
+
+
+def _reduce(backend, what, arrays, op, scale=1.0, in_place=False):
+    """The one path of every reduction; ``arrays``: a list, or one array (shown as itself)."""
+    details = (op,) if scale == 1.0 else (op, f"scale={scale:.4g}")
+    if op == "avg":  # averaging is decided here, once: a sum scaled by 1 / world size
+        op, scale = "sum", scale / backend.size
+    if isinstance(arrays, list):
+        return _door(backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), *details)
+    return _door(backend, what, arrays, lambda a: backend.allreduce([a], op, scale, in_place)[0], *details)
+
+
+def _door(backend, what, arrays, primitive, *details):
+    """The one door: ``primitive(arrays)`` run as one watched collective, inputs evaluated
+    before the clock starts (their computation, a backward pass say, is not the collective's),
+    the result evaluated inside the watched region."""
+    watchdog.evaluate(arrays)
+    with watchdog.collective(backend.rank, watchdog.Call(what, details, arrays)) as call:
+        if call is not None and backend.size > 1 and watchdog.debug():
+            _check_same_call(backend, call)
+        out = primitive(arrays)
+        watchdog.evaluate(out)
     return out
+
+
+def _check_same_call(backend, call):
+    """Debug mode: raise CollectiveMismatchError on every rank unless every rank issues the
+    same collective (sequence number, op, dtypes and shapes) now."""
+    everyone = _allgather_object(backend, call.key())  # nested: part of this collective
+    if all(k == everyone[0] for k in everyone):
+        return
+    groups = {}
+    for rank, k in enumerate(everyone):
+        groups.setdefault(repr(k), (k, []))[1].append(rank)
+    calls = "; ".join(f"ranks {ranks} call {watchdog.Call.describe(k)}" for k, ranks in groups.values())
+    raise CollectiveMismatchError(f"ranks issued different collectives (DU_DEBUG): {calls}")
+
+
+def _bytes_for_bool(primitive, a, *args):
+    """``primitive`` of ``a``, a bool array travelling as its bytes (MPI aborts on bools)."""
+    if a.dtype != mx.bool_:
+        return primitive(a, *args)
+    return primitive(a.view(mx.uint8), *args).view(mx.bool_)
+
+
+# --- objects: pickled, travelling as bytes ---------------------------------------------
+
+
+def _bcast_object(backend, obj, root):
+    """Root's picklable ``obj`` on every rank. If root cannot pickle it, or some rank cannot
+    unpickle it, every rank raises a TypeError that says so."""
+
+    def run(_):
+        payload, error = _pickled(obj) if backend.rank == root else (np.empty(0, np.uint8), None)
+        size = bcast(backend, np.array([payload.size]), root)
+        payload = bcast(backend, payload if backend.rank == root else np.empty(int(size[0]), np.uint8), root)
+        received, error = (obj, error) if backend.rank == root else _unpickled(payload)
+        return _raise_for_failures(backend, received, error, f"the object rank {root} broadcasts")
+
+    return _door(backend, "bcast_object", None, run, f"root={root}")
+
+
+def _allgather_object(backend, obj) -> list:
+    """The list of every rank's picklable ``obj``, in rank order; a TypeError on every rank
+    if some rank cannot pickle or unpickle."""
+
+    def run(_):
+        payload, _ = _pickled(obj)
+        sizes = allgather(backend, np.array([payload.size]))
+        padded = np.zeros((1, int(sizes.max())), np.uint8)
+        padded[0, : payload.size] = payload
+        rows = allgather(backend, padded)
+        received = [_unpickled(row[:n]) for row, n in zip(rows, sizes)]
+        error = next((e for _, e in received if e is not None), None)
+        return _raise_for_failures(backend, [r for r, _ in received], error, "the objects ranks gather")
+
+    return _door(backend, "allgather_object", None, run)
+
+
+def _pickled(obj):
+    """``(bytes, None)``: ``obj``'s pickle; or ``(bytes, reason)`` with a ``_Failed`` pickled
+    in its place when it cannot be pickled (the other ranks must hear of it, not wait)."""
+    try:
+        return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8), None
+    except Exception as e:
+        reason = f"cannot pickle it: {type(e).__name__}: {e}"
+        return np.frombuffer(pickle.dumps(_Failed()), np.uint8), reason
+
+
+def _unpickled(payload: np.ndarray):
+    """``(object, None)``, or ``(None, reason)`` when it cannot be unpickled here; ``(None,
+    None)`` for an object its sender could not pickle (the sender reports that)."""
+    try:
+        obj = pickle.loads(payload.tobytes())
+    except Exception as e:
+        return None, f"cannot unpickle it: {type(e).__name__}: {e}"
+    return (None, None) if isinstance(obj, _Failed) else (obj, None)
+
+
+def _raise_for_failures(backend, result, error, what):
+    """Collective: ``result``, unless some rank has an ``error``: then every rank raises a
+    TypeError naming every rank that failed and why."""
+    failed = allgather(backend, np.array([error is not None]))
+    if failed.any():
+        errors = _allgather_object(backend, error)
+        raise TypeError(f"{what}: " + "; ".join(f"rank {r} {errors[r]}" for r in np.flatnonzero(failed)))
+    return result
+
+
+class _Failed:
+    """What travels in place of an object that cannot be pickled."""
+
+
+def root_runs(backend, fn, root, error_type, doing: str):
+    """Collective: ``fn()`` run on ``root`` alone, its (picklable) result returned on every
+    rank; if it raises, every rank raises ``error_type`` naming root and what it was ``doing``."""
+    result = error = None
+    if backend.rank == root:
+        try:
+            result = fn()
+        except Exception as e:  # the other ranks must hear of it rather than wait
+            error = f"{type(e).__name__}: {e}"
+    result, error = _bcast_object(backend, (result, error), root)
+    if error is not None:
+        raise error_type(f"rank {root} could not {doing}: {error}")
+    return result
+
+
+# --- arguments -------------------------------------------------------------------------
+
+
+def _as_mx(x):
+    """``x`` as an mx.array, and the function that gives a result back as ``x``'s kind."""
+    check_travels(x)
+    if isinstance(x, np.ndarray):
+        return to_mx(x), to_numpy
+    return x, lambda r: r
+
+
+def _number_as_mx(x):
+    """A Python or numpy number as an mx.array, and the function that gives a result back as a number."""
+    if isinstance(x, complex):
+        raise TypeError(
+            "Python complex numbers are double precision, which MLX lacks: "
+            "reduce np.complex64(x) or an mx.array instead"
+        )
+    if not isinstance(x, (bool, int, float, np.generic)):
+        raise TypeError(
+            f"cannot reduce a {type(x).__name__}: pass an mx.array, a numpy array or a Python number "
+            "(use du.synchronize for trees and objects)"
+        )
+    arr = np.asarray(x)
+    if isinstance(x, int) and not isinstance(x, bool) and arr.dtype != np.int64:
+        raise TypeError(f"the integer {x} does not fit in int64")
+    return to_mx(check_travels(arr)), lambda r: type(x)(to_numpy(r).item())
 
 
 def _check_backend_type(backend_type):
@@ -157,7 +342,7 @@ def _check_backend_type(backend_type):
         raise TypeError(f"{backend_type.__name__} is abstract; use one of its subclasses")
 
 
-def _check_backend(backend) -> AbstractBackend:
+def check_backend(backend) -> AbstractBackend:
     if not isinstance(backend, AbstractBackend):
         hint = (
             f"; get it with du.get_distributed_backend(du.{backend.__name__})"
@@ -168,17 +353,15 @@ def _check_backend(backend) -> AbstractBackend:
     return backend
 
 
-def _check_root(backend, root):
-    size = _check_backend(backend).size
+def check_root(backend, root):
+    size = check_backend(backend).size
     if not (isinstance(root, (int, np.integer)) and 0 <= root < size):
         raise ValueError(f"root={root!r} is not a rank of this job (0 .. {size - 1})")
 
 
 def _op_name(op) -> str:
-    if isinstance(op, str) and op in OPS:
-        return op
     try:
-        return _OP_ALIASES[op]
+        return _OPS[op]
     except (KeyError, TypeError):
         raise ValueError(
             f"unknown reduction op {op!r}: use 'sum', 'avg' (du.avg), 'max', 'min', 'prod', "
@@ -186,46 +369,8 @@ def _op_name(op) -> str:
         ) from None
 
 
-def _is_array(x) -> bool:
-    return isinstance(x, (mx.array, np.ndarray))
-
-
-_NUMPY_DTYPES = {np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
-                                        np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64)}  # fmt: skip
-
-
-def _check_array(x):
-    """``x`` if its dtype can travel on every backend, else a TypeError naming it."""
-    if isinstance(x, np.ndarray) and x.dtype not in _NUMPY_DTYPES:
-        raise TypeError(f"dtype {x.dtype} is not supported; use one of {_DTYPES}")
-    return x
-
-
-def _as_array(backend, x):
-    """``x`` as an array, and the function that turns a result back into ``x``'s kind."""
-    if _is_array(x):
-        return _check_array(x), lambda r: r
-    if isinstance(x, (bool, int, float, np.generic)) and not isinstance(x, complex):
-        arr = np.asarray(x)
-        if isinstance(x, int) and not isinstance(x, bool) and arr.dtype != np.int64:
-            raise TypeError(f"the integer {x} does not fit in int64")
-        return _check_array(arr), lambda r: type(x)(np.asarray(r).item())
-    if isinstance(x, complex):
-        raise TypeError(
-            "Python complex numbers are double precision, which MLX lacks: "
-            "reduce np.complex64(x) or an mx.array instead"
-        )
-    raise TypeError(
-        f"cannot reduce a {type(x).__name__}: pass an mx.array, a numpy array or a Python number "
-        "(use du.synchronize for trees and objects)"
-    )
-
-
 def _check_op_dtype(op, dtype):
-    kind = np.dtype(dtype).kind if isinstance(dtype, np.dtype) else None
-    floating = mx.issubdtype(dtype, mx.inexact) if kind is None else kind in "fc"
-    is_complex = dtype == mx.complex64 if kind is None else kind == "c"
-    if op == "avg" and not floating:
+    if op == "avg" and not is_floating(dtype):
         raise TypeError(f"op 'avg' needs a floating or complex dtype, got {dtype}; use 'sum'")
-    if op in ("max", "min") and is_complex:
+    if op in ("max", "min") and dtype == mx.complex64:
         raise TypeError(f"op {op!r} is not defined for complex numbers ({dtype})")

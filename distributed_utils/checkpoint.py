@@ -16,17 +16,23 @@ import glob
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .api import _check_backend, allgather
-from .backends.base import UINT_BY_SIZE
-from .synchronize import synchronize
+from .api import check_backend, allgather, bcast, root_runs
+from .arrays import UINT_BY_SIZE, show, to_mx
+from .synchronize import has_state, synchronize
+from .tree import describe
 
 FORMAT = "distributed_utils.checkpoint/1"
+#: While rank 0 writes, every rank hears from it this often (a collective each): a long save is
+#: not a stall, and the watchdog still catches a rank 0 that stopped.
+HEARTBEAT_SECONDS = 1.0
+_PIECE_BYTES = 64 * 2**20  # written between heartbeats; fsync every 4 pieces
 
 # safetensors dtype names
 _CODES = {
@@ -49,8 +55,9 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
     data as a JSON value (e.g. ``{"epoch": 3, "batch": 120}``), or an object with
     ``state_dict()`` and ``load_state_dict()``; ``step`` and ``extra``: JSON values. Every
     rank's ``mx.random`` state is saved too. Returns once ``path`` holds the new checkpoint.
+    If rank 0 cannot write, every rank raises CheckpointError, and no temporary file is left.
     """
-    _check_backend(backend)
+    check_backend(backend)
     arrays = {}
     if model is not None:
         arrays.update(_flat("model", model.parameters()))
@@ -65,16 +72,28 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
         meta_json = json.dumps(meta)
     except TypeError as e:
         raise TypeError(f"save_checkpoint: step, data and extra must be JSON values: {e}") from None
-    arrays["rng"] = allgather(backend, mx.random.state[0][None])  # evaluated here, on every rank
-    error = None
-    if backend.rank == 0:
-        try:
-            _write_atomically(Path(path), arrays, meta_json)
-        except Exception as e:  # the other ranks must hear of it rather than wait
-            error = f"{type(e).__name__}: {e}"
-    error = backend.bcast_object(error, 0)
-    if error is not None:
-        raise CheckpointError(f"save_checkpoint: rank 0 could not write {path}: {error}")
+    arrays["rng"] = allgather(backend, mx.random.state[0][None])
+    writing = _write_atomically(Path(path), arrays, meta_json) if backend.rank == 0 else None
+    if backend.rank != 0:
+        _with_heartbeats(backend, None)  # until rank 0's last word
+    root_runs(backend, lambda: _with_heartbeats(backend, writing), 0, CheckpointError, f"write {path}")
+
+
+def _with_heartbeats(backend, pieces):
+    """Collective: rank 0 runs the generator ``pieces`` and, while it runs, sends every rank a
+    heartbeat every HEARTBEAT_SECONDS; the others (``pieces`` None) wait for its last word."""
+    if pieces is None:
+        while bcast(backend, np.array([0]), 0)[0]:
+            pass
+        return
+    last = time.monotonic()
+    try:
+        for _ in pieces:
+            if time.monotonic() - last > HEARTBEAT_SECONDS:
+                bcast(backend, np.array([1]), 0)
+                last = time.monotonic()
+    finally:
+        bcast(backend, np.array([0]), 0)
 
 
 def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
@@ -84,25 +103,22 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     ``optimizer`` the saved state, ``data`` (if it has ``load_state_dict``) its state, and each
     rank its own random state (when the world size is the one saved). Returns
     ``{"step", "data", "extra"}``, or None on every rank when ``path`` does not exist.
+    Raises CheckpointError on every rank for a file that is not a complete checkpoint, or
+    does not fit ``model`` or ``optimizer``.
     """
-    _check_backend(backend)
-    header = None
-    if backend.rank == 0:
-        try:
-            header = _read_header(Path(path)) if os.path.exists(path) else None
-        except Exception as e:
-            header = e
-    header = backend.bcast_object(header, 0)
-    if isinstance(header, Exception):
-        raise CheckpointError(f"load_checkpoint: rank 0 could not read {path}: {header}")
+    check_backend(backend)
+    header = root_runs(backend, lambda: _read_header(Path(path)), 0, CheckpointError, f"read {path}")
     if header is None:
         return None
     meta, entries = header
-    _check_fits(path, entries, model, optimizer)
     if optimizer is not None and meta["optimizer"] != _optimizer_name(optimizer):
         raise CheckpointError(
             f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a {_optimizer_name(optimizer)}"
         )
+    if model is not None:
+        _check_fits(path, "model", entries, model.parameters())
+    if optimizer is not None:  # an initialized one: its state's shapes are known
+        _check_fits(path, "optimizer", entries, optimizer.state if has_state(optimizer) else None)
     if backend.rank == 0:
         arrays = _read_arrays(Path(path), entries)
     else:
@@ -124,15 +140,11 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
 # --- the file -------------------------------------------------------------------------------
 
 
-def _optimizer_name(optimizer) -> str:
-    return type(getattr(optimizer, "optimizer", optimizer)).__name__  # through DistributedOptimizer
-
-
 def _flat(section, tree) -> dict:
     flat = {}
     for key, leaf in tree_flatten(tree):
         if isinstance(leaf, np.ndarray):
-            leaf = mx.array(leaf)
+            leaf = to_mx(leaf)
         if not isinstance(leaf, mx.array):
             raise TypeError(
                 f"save_checkpoint: {section} leaf '{key}' is a {type(leaf).__name__}, not an array; "
@@ -148,6 +160,9 @@ def _section(arrays, section) -> list:
 
 
 def _write_atomically(path: Path, arrays: dict, meta_json: str):
+    """A generator that writes ``path`` and yields between pieces: a temporary file in the same
+    directory, fsync, rename over ``path``, fsync of the directory. On failure the temporary
+    file is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in glob.glob(str(path.parent / f".{path.name}.tmp-*")):  # left by a killed job
         os.remove(stale)
@@ -162,11 +177,15 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str):
     head += b" " * (-len(head) % 8)  # safetensors aligns the data to 8 bytes
     buffers.insert(0, np.frombuffer(struct.pack("<Q", len(head)) + head, np.uint8))
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        _write(f, buffers)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            yield from _write_buffers(f, buffers)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -174,44 +193,53 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str):
         os.close(dir_fd)
 
 
-_saves = 0
-
-
-def _write(f, buffers):
-    """Write ``buffers``. Test hook: ``DU_TEST_CRASH_IN_CHECKPOINT=N`` makes the process die
-    (``os._exit(99)``) halfway through writing its N-th checkpoint, as a killed job would."""
-    global _saves
-    _saves += 1
-    crash = os.environ.get("DU_TEST_CRASH_IN_CHECKPOINT")
-    if crash and int(crash) == _saves:
-        total = sum(b.nbytes for b in buffers)
-        data = b"".join(bytes(b) for b in buffers)[: total // 2]
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-        os._exit(99)
+def _write_buffers(f, buffers):
+    """Write ``buffers`` to ``f`` in pieces, yielding after each (fsync every 4 pieces, so
+    that the last fsync stays short)."""
+    pieces = 0
     for b in buffers:
-        f.write(b.data)
+        data = memoryview(b).cast("B")
+        for start in range(0, len(data), _PIECE_BYTES):
+            f.write(data[start : start + _PIECE_BYTES])
+            pieces += 1
+            if pieces % 4 == 0:
+                f.flush()
+                os.fsync(f.fileno())
+            yield
 
 
 def _read_header(path: Path):
-    """``(meta, {key: (dtype code, shape, (start, end))})``; a clear error for a file that is
-    not a complete checkpoint."""
+    """``(meta, {key: (dtype code, shape, (start, end))})``, or None when there is no file;
+    a CheckpointError naming what is wrong for a file that is not a complete checkpoint."""
+    if not path.exists():
+        return None
     size = path.stat().st_size
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0] if size >= 8 else None
         if n is None or 8 + n > size:
             raise CheckpointError(f"{path} is not a complete checkpoint (truncated header)")
-        header = json.loads(f.read(n))
-    try:
-        meta = json.loads(header.pop("__metadata__")["distributed_utils"])
-        assert meta["format"] == FORMAT
-    except (KeyError, TypeError, ValueError, AssertionError):
-        raise CheckpointError(f"{path} is a safetensors file but not a distributed_utils checkpoint") from None
-    entries = {k: (v["dtype"], tuple(v["shape"]), tuple(v["data_offsets"])) for k, v in header.items()}
-    end = max((e for _, _, (_, e) in entries.values()), default=0)
-    if 8 + n + end > size:
-        raise CheckpointError(f"{path} is not a complete checkpoint ({size} bytes, expected {8 + n + end})")
+        try:
+            header = json.loads(f.read(n))
+            meta = json.loads(header.pop("__metadata__")["distributed_utils"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise CheckpointError(f"{path} is not a distributed_utils checkpoint (no metadata)") from None
+    missing = {"format", "step", "extra", "world_size", "data", "optimizer"} - set(meta)
+    if meta.get("format") != FORMAT or missing:
+        raise CheckpointError(f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r}, "
+                              f"missing {sorted(missing)})")  # fmt: skip
+    entries = {}
+    for key, v in header.items():
+        try:
+            code, shape, (start, end) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
+            nbytes = _DTYPES[code].size * int(np.prod(shape))
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: the header entry of '{key}' is corrupt: {v!r}") from None
+        if not (0 <= start and end - start == nbytes and 8 + n + end <= size):
+            raise CheckpointError(
+                f"{path} is not a complete checkpoint: '{key}' ({code} {list(shape)}, {nbytes} bytes) "
+                f"has data_offsets {[start, end]} in a file of {size} bytes"
+            )
+        entries[key] = (code, shape, (start, end))
     return meta, entries
 
 
@@ -226,26 +254,24 @@ def _read_arrays(path: Path, entries) -> dict:
     return out
 
 
-def _check_fits(path, entries, model, optimizer):
-    """Raise (on every rank alike: ``entries`` came from rank 0) if ``model`` is not the one saved."""
-    for name, given in (("model", model), ("optimizer", optimizer)):
-        if given is not None and not any(k.startswith(name + ".") for k in entries):
-            raise CheckpointError(f"load_checkpoint: {path} holds no {name} (it was saved without {name}=)")
-    if model is None:
-        return
-    saved = {k[len("model.") :]: (code, shape) for k, (code, shape, _) in entries.items() if k.startswith("model.")}
-    have = {k: (_CODES[v.dtype], tuple(v.shape)) for k, v in tree_flatten(model.parameters())}
+def _check_fits(path, section, entries, tree):
+    """Raise (on every rank alike: ``entries`` came from rank 0) unless the checkpoint holds
+    ``section`` with the keys, dtypes and shapes of ``tree`` (None: any)."""
+    prefix = section + "."
+    saved = {k[len(prefix) :]: (str(_DTYPES[code]).removeprefix("mlx.core."), shape)
+             for k, (code, shape, _) in entries.items() if k.startswith(prefix)}  # fmt: skip
+    if not saved:
+        raise CheckpointError(f"load_checkpoint: {path} holds no {section} (it was saved without {section}=)")
+    have = saved if tree is None else dict(describe(tree))
     if saved == have:
         return
     key = next(k for k in sorted(set(saved) | set(have)) if saved.get(k) != have.get(k))
+    shown = lambda sig: "nothing" if sig is None else show(sig)  # noqa: E731
     raise CheckpointError(
-        f"load_checkpoint: {path} does not fit the model: at '{key}' the checkpoint has "
-        f"{_show(saved.get(key))} and the model {_show(have.get(key))}"
+        f"load_checkpoint: {path} does not fit the {section}: at '{key}' the checkpoint has "
+        f"{shown(saved.get(key))} and the {section} {shown(have.get(key))}"
     )
 
 
-def _show(sig) -> str:
-    if sig is None:
-        return "nothing"
-    code, shape = sig
-    return f"{_DTYPES[code]} {shape}".replace("mlx.core.", "")
+def _optimizer_name(optimizer) -> str:
+    return type(getattr(optimizer, "optimizer", optimizer)).__name__  # through DistributedOptimizer

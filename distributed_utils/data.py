@@ -73,8 +73,8 @@ class DistributedDataContainer:
         self.world_size = total_workers(backend)
         self.data = data
         self.epoch = 0
-        self._fields = _fields(data, self._where)
-        self._n = _length(data, self._fields, self._where)
+        self._columns = _as_columns(data, self._label)  # None unless data is a tuple or dict of columns
+        self._n = _length(data, self._columns, self._label)
         self._check_same_length_everywhere()
         if self._n is not None:
             self.indices = range(*shard_bounds(self._n, self.world_size, self.rank))
@@ -86,7 +86,7 @@ class DistributedDataContainer:
         if (lengths != lengths[0]).any():
             shown = ", ".join(f"rank {r}: {'a stream' if n < 0 else n}" for r, n in enumerate(lengths.tolist()))
             raise ValueError(
-                f"{self._where}: every rank must pass the same data (the whole data set); lengths differ ({shown})"
+                f"{self._label}: every rank must pass the same data (the whole data set); lengths differ ({shown})"
             )
 
     @property
@@ -102,10 +102,10 @@ class DistributedDataContainer:
         self._check_sized("indexing")
         i = operator.index(i)
         if not -len(self) <= i < len(self):
-            raise IndexError(f"{self._where}: index {i} is out of range for this rank's {len(self)} items")
+            raise IndexError(f"{self._label}: index {i} is out of range for this rank's {len(self)} items")
         j = self.indices[i]
-        if self._fields is not None:
-            return _map_fields(self._fields, lambda f: f[j])
+        if self._columns is not None:
+            return _map_fields(self._columns, lambda f: f[j])
         return self.data[j]
 
     def __iter__(self):
@@ -148,11 +148,11 @@ class DistributedDataContainer:
         start = operator.index(start)
         if self.is_stream:
             if shuffle:
-                raise ValueError(f"{self._where}: cannot shuffle a stream (data of unknown length)")
+                raise ValueError(f"{self._label}: cannot shuffle a stream (data of unknown length)")
             return self._stream_batches(batch_size, drop_last, start)
         total = self.num_batches(batch_size, drop_last=drop_last)
         if not 0 <= start <= total:
-            raise ValueError(f"{self._where}: start={start} is not in 0..{total} (batches per epoch)")
+            raise ValueError(f"{self._label}: start={start} is not in 0..{total} (batches per epoch)")
         epoch = self.epoch if epoch is None else operator.index(epoch)
         order = epoch_indices(
             self._n, self.world_size, self.rank, batch_size,
@@ -175,25 +175,25 @@ class DistributedDataContainer:
 
     def _fetch(self, idx):
         """The stacked batch of global indices ``idx`` (a numpy int array)."""
-        if self._fields is not None:
-            return _map_fields(self._fields, lambda f: _take(f, idx))
+        if self._columns is not None:
+            return _map_fields(self._columns, lambda f: _take(f, idx))
         if _is_hf_dataset(self.data):
             return {k: _stack(v) for k, v in self.data[idx.tolist()].items()}
         return _take(self.data, idx)
 
     def _batch_size(self, batch_size) -> int:
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-            raise TypeError(f"{self._where}: batch_size must be an int, got {batch_size!r}")
+            raise TypeError(f"{self._label}: batch_size must be an int, got {batch_size!r}")
         if batch_size < 1:
-            raise ValueError(f"{self._where}: batch_size must be at least 1, got {batch_size}")
+            raise ValueError(f"{self._label}: batch_size must be at least 1, got {batch_size}")
         return int(batch_size)
 
     def _check_sized(self, what):
         if self.is_stream:
-            raise TypeError(f"{self._where}: {what} needs sized data; this is a stream of unknown length")
+            raise TypeError(f"{self._label}: {what} needs sized data; this is a stream of unknown length")
 
     @property
-    def _where(self):
+    def _label(self):
         return f"DistributedDataContainer on rank {self.rank}"
 
     def __repr__(self):
@@ -201,8 +201,9 @@ class DistributedDataContainer:
         return f"DistributedDataContainer(rank={self.rank}, world_size={self.world_size}, {share})"
 
 
-def _fields(data, where):
-    """``data`` itself for a tuple or dict of indexable fields, else None."""
+def _as_columns(data, where):
+    """``data`` itself when it is a tuple or dict of columns (indexed together: ``(x, y)[i]`` is
+    ``(x[i], y[i])``), else None; an error for columns that cannot be indexed."""
     if not isinstance(data, (tuple, dict)):
         return None
     if not data:

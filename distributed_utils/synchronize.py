@@ -1,7 +1,6 @@
 """``du.synchronize``: root's arrays, trees, modules, optimizer states and objects on every rank."""
 
 import copy
-import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -9,12 +8,9 @@ from mlx.nn import Module
 from mlx.optimizers import MultiOptimizer, Optimizer
 from mlx.utils import tree_flatten
 
-from .api import _check_root, bcast
-from .backends.base import UINT_BY_SIZE
-from .tree import TreeMismatchError, describe, verify_same_structure
-
-_RUN_BYTES = 16 * 2**20
-_MX_DTYPES = {str(d): d for d in vars(mx).values() if isinstance(d, mx.Dtype)}  # mx dtypes do not pickle
+from .api import bcast, check_root, root_runs
+from .arrays import MX_DTYPES, UINT_BY_SIZE, bits, width
+from .tree import BROADCAST_BUCKET_BYTES, TreeMismatchError, buckets, describe, pack, unpack, verify_same_structure
 
 
 def synchronize(backend, x, root: int = 0, *, model=None):
@@ -31,10 +27,10 @@ def synchronize(backend, x, root: int = 0, *, model=None):
 
     Every rank must hold arrays at the same keys with the same shapes and dtypes: otherwise
     every rank raises ``TreeMismatchError`` naming the first differing key. The arrays travel
-    packed, in one broadcast per item size (1, 2, 4 or 8 bytes) and 16 MiB; the rest in one
-    pickle. On root, and in a world of one, ``x`` itself is returned.
+    packed, in one broadcast per item size (1, 2, 4 or 8 bytes) and ``BROADCAST_BUCKET_BYTES``;
+    the rest in one pickle. On root, and in a world of one, ``x`` itself is returned.
     """
-    _check_root(backend, root)
+    check_root(backend, root)
     what = f"du.synchronize({type(x).__name__})"
     if isinstance(x, Optimizer):
         return _synchronize_optimizer(backend, x, root, model, what)
@@ -47,14 +43,14 @@ def synchronize(backend, x, root: int = 0, *, model=None):
 
 
 def _synchronize_optimizer(backend, opt, root, model, what):
-    if model is not None and not _has_state(opt):
+    if model is not None and not has_state(opt):
         opt.init(model.trainable_parameters())
     try:
         state = _synchronize_tree(backend, opt.state, root, what)
     except TreeMismatchError as e:
         hint = "an optimizer not yet updated needs opt.init(model.trainable_parameters()) or model=model"
         raise TreeMismatchError(f"{e}; {hint}") from None
-    if not _has_state(opt):  # the same on every rank: their states have the same structure
+    if not has_state(opt):  # the same on every rank: their states have the same structure
         raise ValueError(f"{what}: the state is not initialized; call opt.init(model.trainable_parameters()) "
                          "first, or pass model=model")
     if backend.rank != root:
@@ -62,11 +58,11 @@ def _synchronize_optimizer(backend, opt, root, model, what):
     return opt
 
 
-def _has_state(opt) -> bool:
+def has_state(opt) -> bool:
     """Whether ``opt.state`` holds per-parameter entries (it does after ``init`` or an update)."""
     opt = getattr(opt, "optimizer", opt)  # a DistributedOptimizer's wrapped one
     if isinstance(opt, MultiOptimizer):
-        return all(_has_state(o) for o in opt.optimizers)
+        return all(has_state(o) for o in opt.optimizers)
     return any(isinstance(v, (dict, list, tuple)) for v in opt.state.values())
 
 
@@ -75,48 +71,20 @@ def _synchronize_tree(backend, tree, root, what):
         return tree
     # Only the arrays must agree: each rank receives into buffers the size of its own arrays.
     verify_same_structure(backend, [(k, s) for k, s in describe(tree) if isinstance(s, tuple)], what)
-    skeleton, error = None, None
-    if backend.rank == root:
-        try:
-            skeleton = _map(_stand_in, tree)
-        except TypeError as e:
-            error = f"{what}: {e}"
-    skeleton, error = bcast(backend, (skeleton, error), root)
-    if error is not None:
-        raise TypeError(error)
+    skeleton = root_runs(backend, lambda: _map(_stand_in, tree), root, TypeError, f"send {what}")
     arrays = [leaf for _, leaf in tree_flatten(tree) if _travels_as_bits(leaf)]
-    pieces = [None] * len(arrays)  # each array's bits, received
-    for width, run in _runs(arrays):  # api.bcast evaluates: one collective at a time
-        if backend.rank == root:
-            bits = [_bits(arrays[i]) for i in run]
-            bcast(backend, bits[0] if len(bits) == 1 else mx.concatenate(bits), root)
-            continue
-        sizes = [arrays[i].nbytes // width for i in run]
-        buf = bcast(backend, mx.zeros((sum(sizes),), UINT_BY_SIZE[width]), root)
-        for i, start, n in zip(run, itertools.accumulate([0] + sizes), sizes):
-            pieces[i] = buf[start : start + n]
+    # Root sends its arrays' bits; the others receive into zeros of the same widths and sizes.
+    sent = [bits(a) if backend.rank == root else mx.zeros((a.nbytes // width(a),), UINT_BY_SIZE[width(a)])
+            for a in arrays]  # fmt: skip
+    received = [None] * len(arrays)
+    for bucket in buckets(sent, BROADCAST_BUCKET_BYTES):  # bcast evaluates: one bucket at a time
+        flat = bcast(backend, pack(sent, bucket), root)
+        for i, piece in zip(bucket, unpack(flat, sent, bucket)):
+            received[i] = piece
     if backend.rank == root:
         return tree
-    received = iter(pieces)  # in the order of root's arrays too: the structures matched
-    return _map(lambda v: v.rebuild(next(received)) if isinstance(v, _Slot) else v, skeleton)
-
-
-def _runs(arrays) -> list:
-    """``(width, indices)``: the arrays of each width, in runs of at most ``_RUN_BYTES`` (or one
-    array). Small runs keep the packing buffers in MLX's cache: a fresh big one costs page faults."""
-    runs = []
-    for width in sorted({_width(a) for a in arrays}):
-        run, size = [], 0
-        for i, a in enumerate(arrays):
-            if _width(a) != width:
-                continue
-            if run and size + a.nbytes > _RUN_BYTES:
-                runs.append((width, run))
-                run, size = [], 0
-            run.append(i)
-            size += a.nbytes
-        runs.append((width, run))
-    return runs
+    pieces = iter(received)  # in the order of root's arrays too: the structures matched
+    return _map(lambda v: v.rebuild(next(pieces)) if isinstance(v, _Slot) else v, skeleton)
 
 
 def _travels_as_bits(leaf) -> bool:
@@ -130,30 +98,17 @@ def _stand_in(leaf):
     return _Slot(leaf) if _travels_as_bits(leaf) else leaf
 
 
-def _width(a) -> int:
-    """The widest unsigned int (1, 2, 4 or 8 bytes) that tiles ``a``'s items exactly."""
-    itemsize = a.dtype.itemsize if isinstance(a, np.ndarray) else a.dtype.size
-    return next(w for w in (8, 4, 2, 1) if itemsize % w == 0)
-
-
-def _bits(a) -> mx.array:
-    """``a``'s bits as a flat ``mx.array`` of unsigned ints of width ``_width(a)``."""
-    if isinstance(a, np.ndarray):
-        return mx.array(np.ascontiguousarray(a).reshape(-1).view(f"u{_width(a)}"))
-    return a.reshape(-1).view(UINT_BY_SIZE[_width(a)])
-
-
 class _Slot:
     """Stands for one of root's arrays in the tree root sends; ``rebuild`` makes it from bits."""
 
     def __init__(self, a):
         self.numpy, self.shape = isinstance(a, np.ndarray), a.shape
-        self.dtype = a.dtype if self.numpy else str(a.dtype)
+        self.dtype = a.dtype if self.numpy else str(a.dtype).removeprefix("mlx.core.")
 
-    def rebuild(self, bits: mx.array):
+    def rebuild(self, received: mx.array):
         if self.numpy:
-            return np.array(bits).view(self.dtype).reshape(self.shape)
-        return bits.view(_MX_DTYPES[self.dtype]).reshape(self.shape)
+            return np.array(received).view(self.dtype).reshape(self.shape)
+        return received.view(MX_DTYPES[self.dtype]).reshape(self.shape)
 
 
 def _map(fn, tree):

@@ -1,4 +1,5 @@
-"""One module per transport; each implements the AbstractBackend primitives."""
+"""One module per transport, each implementing the AbstractBackend primitives; and the
+contract between the launcher and the backends (``environment``)."""
 
 from .base import OPS, AbstractBackend, BackendUnavailableError
 from .mlx import JACCLBackend, MLXBackend, MLXMPIBackend, NCCLBackend, RingBackend

@@ -140,11 +140,12 @@ def test_the_watchdog_numbers_and_describes_collectives(backend):
     du.barrier(backend)
     assert watchdog._state.seq == start + 2 and watchdog._state.done == start + 2
     assert not watchdog._state.inflight
-    def text(what, args):
-        return watchdog._format(watchdog._summary(what, args))
+    def report(what, details, arrays):
+        return watchdog.Call(what, details, arrays).report()
 
-    assert text("allreduce", (mx.ones((4, 2), mx.bfloat16), "avg")) == "(avg) bfloat16(4, 2)"
-    assert text("bcast", (np.zeros(3, np.int64), 1)) == "(root=1) int64(3,)"
+    assert report("allreduce", ("avg",), mx.ones((4, 2), mx.bfloat16)) == "allreduce(avg) bfloat16(4, 2)"
+    assert report("bcast", ("root=1",), np.zeros(3, np.int64)) == "bcast(root=1) int64(3,)"
     grads = [mx.ones(3)] * 5
-    assert text("allreduce_arrays", (grads, "sum")) == "(sum) [5 arrays: float32(3,), float32(3,), float32(3,), ...]"
-    assert text("bcast_object", ({"any": "thing"}, 0)) == "(root=0)"
+    assert report("allreduce_arrays", ("sum",), grads) == (
+        "allreduce_arrays(sum) [5 arrays: float32(3,), float32(3,), float32(3,), ...]")
+    assert report("bcast_object", ("root=0",), None) == "bcast_object(root=0)"

@@ -178,16 +178,16 @@ def test_a_tree_travels_in_one_broadcast_per_item_size(backend, monkeypatch):
     tree = {"layers": [{"w": mx.zeros((8, 8 + i)), "b": mx.zeros((8,), mx.bfloat16)} for i in range(50)],
             "step": mx.array(3, mx.int64), "mask": np.ones(5, bool), "name": "x", "n": 3}  # fmt: skip
     du.synchronize(backend, tree)
-    # one allgather to check the structure, two broadcasts for the pickle (size, bytes), one
-    # per item size (1, 2, 4, 8 bytes)
-    want = {} if du.total_workers(backend) == 1 else {"allgather": 1, "bcast": 2 + 4}
+    # one allgather to check the structure, two broadcasts for the pickle (size, bytes) and one
+    # allgather for every rank to say it could unpickle it, one broadcast per item size (1, 2, 4, 8 bytes)
+    want = {} if du.total_workers(backend) == 1 else {"allgather": 1 + 1, "bcast": 2 + 4}
     if watchdog.debug():  # which adds allgathers of its own
         calls.pop("allgather", None), want.pop("allgather", None)
     assert dict(calls) == want
 
 
 def test_arrays_travel_in_runs_of_bounded_size(backend, monkeypatch):
-    monkeypatch.setattr(sys.modules["distributed_utils.synchronize"], "_RUN_BYTES", 100)
+    monkeypatch.setattr(sys.modules["distributed_utils.synchronize"], "BROADCAST_BUCKET_BYTES", 100)
     calls = collections.Counter()
     monkeypatch.setattr(backend, "bcast", lambda *a, _bcast=backend.bcast: calls.update(["bcast"]) or _bcast(*a))
     rank = du.local_rank(backend)

@@ -11,6 +11,7 @@ the launcher).
 """
 
 import argparse
+import os
 import socket
 import sys
 
@@ -33,6 +34,28 @@ args = p.parse_args()
 
 backend = du.initialize()
 rank = du.local_rank(backend)
+
+
+def crash_halfway_through_save(n):
+    """Die (exit 99) halfway through writing the n-th checkpoint, as a killed job would."""
+    saves, write = 0, du.checkpoint._write_buffers
+
+    def writing(f, buffers):
+        nonlocal saves
+        saves += 1
+        if saves == n:
+            data = b"".join(bytes(b) for b in buffers)
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            os._exit(99)
+        yield from write(f, buffers)
+
+    du.checkpoint._write_buffers = writing
+
+
+if os.environ.get("DU_TEST_CRASH_IN_CHECKPOINT"):
+    crash_halfway_through_save(int(os.environ["DU_TEST_CRASH_IN_CHECKPOINT"]))
 
 
 class Tee:

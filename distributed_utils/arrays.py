@@ -1,0 +1,99 @@
+"""What an array is here: the dtypes that travel, bit views, numpy <-> mx, signatures.
+
+Every collective works on ``mx.array``; numpy arrays cross into MLX (``to_mx``) on the way in
+and back (``to_numpy``) on the way out.
+"""
+
+import mlx.core as mx
+import numpy as np
+
+#: The mx dtypes by name (mx dtypes do not pickle; their names do).
+MX_DTYPES = {str(d).removeprefix("mlx.core."): d for d in vars(mx).values() if isinstance(d, mx.Dtype)}
+
+#: The numpy dtypes a collective accepts; each has an mx dtype of the same name.
+NUMPY_DTYPES = {np.dtype(n) for n in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                                       "uint32", "uint64", "float16", "float32", "float64", "complex64")}  # fmt: skip
+DTYPE_NAMES = "bool, (u)int8-64, float16, bfloat16, float32, float64, complex64"
+
+#: The unsigned integer dtype of each item size in bytes: views that carry any array's bits.
+UINT_BY_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def is_array(x) -> bool:
+    return isinstance(x, (mx.array, np.ndarray))
+
+
+def check_travels(x):
+    """``x`` if its dtype can travel on every backend, else a TypeError naming it."""
+    if isinstance(x, np.ndarray) and x.dtype not in NUMPY_DTYPES:
+        raise TypeError(f"dtype {x.dtype} is not supported; use one of {DTYPE_NAMES}")
+    return x
+
+
+def is_floating(dtype) -> bool:
+    """Whether ``dtype`` (mx or numpy) is a floating or complex type."""
+    if isinstance(dtype, np.dtype):
+        return dtype.kind in "fc"
+    return mx.issubdtype(dtype, mx.inexact)
+
+
+def to_mx(a: np.ndarray) -> mx.array:
+    """A copy of ``a`` as an mx.array of the same dtype and any layout (``mx.array`` alone makes
+    float64 float32, and refuses negative strides)."""
+    contiguous = a if a.flags.c_contiguous else np.ascontiguousarray(a)  # (which makes 0-d 1-d)
+    return mx.array(contiguous, dtype=MX_DTYPES[a.dtype.name])
+
+
+def to_numpy(a: mx.array) -> np.ndarray:
+    """A numpy copy of ``a``, evaluated first: ``np.array`` of an unevaluated array whose
+    evaluation fails (a peer died) swallows the error and reads an unfilled buffer."""
+    mx.eval(a)
+    return np.array(a)
+
+
+def own_memory(a: mx.array):
+    """``a``'s own memory as a writable C-contiguous numpy array (zero-copy: writing to it
+    changes ``a``), or None when its layout has no such view (transposed, broadcast, ...)."""
+    mx.eval(a)
+    try:
+        view = np.asarray(a)
+    except BufferError:
+        return None
+    return view if view.flags.c_contiguous and view.flags.writeable and view.size else None
+
+
+def contiguous_numpy(a: mx.array) -> np.ndarray:
+    """``a``'s values as a C-contiguous numpy array: ``a``'s own memory when it is contiguous,
+    else a contiguous copy. bfloat16 comes as its uint16 bits."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    a = mx.contiguous(a)
+    mx.eval(a)
+    return np.asarray(a)
+
+
+def width(a) -> int:
+    """The widest unsigned int (1, 2, 4 or 8 bytes) that tiles ``a``'s items exactly."""
+    itemsize = a.dtype.itemsize if isinstance(a, np.ndarray) else a.dtype.size
+    return next(w for w in (8, 4, 2, 1) if itemsize % w == 0)
+
+
+def bits(a) -> mx.array:
+    """``a``'s bits as a flat ``mx.array`` of unsigned ints of ``width(a)`` bytes."""
+    if isinstance(a, np.ndarray):
+        return to_mx(a.reshape(-1).view(f"u{width(a)}"))
+    return a.reshape(-1).view(UINT_BY_SIZE[width(a)])
+
+
+def signature(x):
+    """An array's ``(dtype name, shape)``; for anything else its type name."""
+    if is_array(x):
+        return (str(x.dtype).removeprefix("mlx.core."), tuple(x.shape))
+    return type(x).__name__
+
+
+def show(sig) -> str:
+    """A signature as text: ``float32(3, 4)``."""
+    if isinstance(sig, tuple):
+        return f"{sig[0]}{sig[1]}"
+    return str(sig)

@@ -1,0 +1,179 @@
+"""The contract between the launcher and the backends: every environment variable, how a
+process knows it was launched, where the MPI library is, and the one order in which MLX's
+MPI and mpi4py can share it.
+
+Set by ``du-launch`` for every rank (``job_environment``):
+
+    DU_BACKEND       the backend's launch name (mpi, ring, mlx-mpi): ``initialize()`` starts it
+    DU_WORLD_SIZE    the number of processes started: a backend seeing another size fails
+    DU_JOB_ID        unique per job and attempt: ranks of two jobs that cross-connect fail
+    DU_RESTART       the attempt, 0 for the first (``--max-restarts``)
+    DU_TIMEOUT       the watchdog's timeout in seconds (``--timeout``); DU_DEBUG=1 (``--debug``)
+    MLX_RANK, MLX_HOSTFILE   the ring's rank and its JSON list of addresses (ring only)
+    MLX_MPI_LIBNAME  the real libmpi for MLX's MPI backend (on Linux the wheel's ``libmpi.so``
+                     is a linker script: without this every rank silently runs a world of one)
+
+Read here, set by other launchers: OMPI_COMM_WORLD_SIZE/RANK, PMI_SIZE/RANK (mpirun),
+MLX_WORLD_SIZE (NCCL), MLX_IBV_DEVICES (JACCL, set by ``mlx.launch``).
+"""
+
+import json
+import os
+import shutil
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+from .base import BackendUnavailableError
+
+# --- the launcher's side -------------------------------------------------------------
+
+
+def job_environment(backend: str, world_size: int, timeout=None, debug=False, restart=0) -> dict:
+    """What every rank's environment gets on top of the launcher's own."""
+    env = {
+        **{k: os.environ[k] for k in ("DU_TIMEOUT", "DU_DEBUG") if k in os.environ},
+        "DU_BACKEND": backend,
+        "DU_WORLD_SIZE": str(world_size),
+        "DU_JOB_ID": uuid.uuid4().hex,
+        "DU_RESTART": str(restart),
+        "PYTHONUNBUFFERED": "1",
+        # so that `python` in the command is the interpreter that runs du-launch
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
+    if timeout is not None:
+        env["DU_TIMEOUT"] = str(timeout)
+    if debug:
+        env["DU_DEBUG"] = "1"
+    if backend in ("mpi", "mlx-mpi"):
+        lib = os.environ.get("MLX_MPI_LIBNAME") or libmpi_path()
+        if lib:
+            env["MLX_MPI_LIBNAME"] = lib
+    return env
+
+
+def listen_error(ip: str, port: int):
+    """Why a listening socket cannot bind ``ip:port`` now (as MLX's ring binds: SO_REUSEADDR),
+    or None when it can."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+# --- the rank's side -----------------------------------------------------------------
+
+
+def launched_backend_name():
+    """The launch name of the backend this process was started for: ``DU_BACKEND``, else
+    "mpi" under mpirun, else None (a world of one)."""
+    if "DU_BACKEND" in os.environ:
+        return os.environ["DU_BACKEND"]
+    return "mpi" if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ else None
+
+
+def launched_rank() -> str:
+    """This process's rank as the launcher set it (before any backend knows it), or "?"."""
+    for key in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if key in os.environ:
+            return os.environ[key]
+    return "?"
+
+
+def expected_world_size():
+    """The number of processes the launcher started, or None."""
+    size = os.environ.get("DU_WORLD_SIZE")
+    return None if size is None else int(size)
+
+
+def job_id():
+    return os.environ.get("DU_JOB_ID")
+
+
+def launched_by_mpirun() -> bool:
+    """Whether mpirun started this process in a job of more than one process."""
+    return int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", 1))) > 1
+
+
+def launched_for(mlx_name: str) -> bool:
+    """Whether a launcher started this process as a rank of a job on MLX's ``mlx_name``
+    backend (otherwise it is a world of one)."""
+    if mlx_name == "ring":
+        return "MLX_HOSTFILE" in os.environ
+    if mlx_name == "mpi":
+        return launched_by_mpirun()
+    if mlx_name == "nccl":
+        return "MLX_WORLD_SIZE" in os.environ
+    return "MLX_IBV_DEVICES" in os.environ  # jaccl
+
+
+def check_ring_addresses():
+    """Raise a clear error unless this rank can listen on its MLX_HOSTFILE addresses (MLX
+    would only say "Couldn't bind socket (error: 98)")."""
+    path = os.environ["MLX_HOSTFILE"]
+    with open(path) as f:
+        hosts = json.load(f)
+    rank = os.environ.get("MLX_RANK", "")
+    if not (rank.isdigit() and int(rank) < len(hosts)):
+        raise BackendUnavailableError(
+            f"RingBackend: MLX_RANK={rank!r} is not a rank of the {len(hosts)} hosts in MLX_HOSTFILE={path}"
+        )
+    for address in hosts[int(rank)]:
+        ip, _, port = address.rpartition(":")
+        error = listen_error(ip, int(port))
+        if error:
+            raise BackendUnavailableError(
+                f"RingBackend: rank {rank} cannot listen on {address} (from MLX_HOSTFILE): {error}"
+                + (": another program or job holds the port" if "in use" in error else "")
+            )
+
+
+# --- MPI -------------------------------------------------------------------------------
+
+
+def libmpi_path():
+    """The real shared library behind ``mpirun``, or None when there is no MPI."""
+    name = "libmpi.dylib" if sys.platform == "darwin" else "libmpi.so.40"
+    dirs = [Path(sys.prefix) / "lib"]
+    mpirun = shutil.which("mpirun")
+    if mpirun:
+        dirs.append(Path(mpirun).resolve().parent.parent / "lib")
+    for d in dirs:
+        if (d / name).exists():
+            return str(d / name)
+    return None
+
+
+_mlx_mpi_started = False
+
+
+def start_mlx_mpi():
+    """Initialize MLX's MPI backend once, before mpi4py can; a no-op outside ``mpirun``.
+
+    MLX's MPI backend calls MPI_Init itself and fails (silently: a world of one) when mpi4py
+    initialized MPI first, while mpi4py accepts an MPI that is already initialized. So
+    whoever starts MPI in this process starts MLX's side first. Raises
+    BackendUnavailableError when that is impossible: no libmpi, or mpi4py was first.
+    """
+    global _mlx_mpi_started
+    import mlx.core as mx
+
+    if _mlx_mpi_started or not launched_by_mpirun():
+        return
+    if "MLX_MPI_LIBNAME" not in os.environ:
+        if libmpi_path() is None:
+            raise BackendUnavailableError("MLX's MPI backend: no libmpi found; set MLX_MPI_LIBNAME")
+        os.environ["MLX_MPI_LIBNAME"] = libmpi_path()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized():
+        raise BackendUnavailableError(
+            "MLX's MPI backend cannot start after mpi4py initialized MPI in this process; "
+            "initialize MLXMPIBackend or MPIBackend (which starts MLX's side first) before "
+            "importing mpi4py.MPI yourself"
+        )
+    mx.distributed.init(strict=True, backend="mpi")
+    _mlx_mpi_started = True
