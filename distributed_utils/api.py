@@ -57,6 +57,8 @@ def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> Abst
             backend = backend_type(**kwargs)
             _handshake(backend)
         _BACKENDS[backend_type] = backend
+        if environment.job_id() is not None:
+            watchdog.exit_with_launcher()
     return _BACKENDS[backend_type]
 
 
@@ -66,10 +68,10 @@ def _handshake(backend):
     expected = environment.expected_world_size()
     if expected is not None and expected != backend.size:
         raise environment.BackendUnavailableError(
-            f"{type(backend).__name__}: the launcher started {expected} processes but this "
-            f"backend sees a world of {backend.size}; launch with "
-            f"`du-launch --backend {backend.launch_name}` (it was "
-            f"`--backend {environment.launched_backend_name()}`)"
+            f"{type(backend).__name__}: {environment.launcher_name()} started {expected} processes but this backend sees "
+            f"a world of {backend.size}; launch it with `du-launch --backend {backend.launch_name}`, or "
+            f"initialize the backend this job was started for (du.initialize() with no argument: "
+            f"{environment.launched_backend_name()})"
         )
     peers = allgather(backend, (socket.gethostname(), environment.job_id()))
     by_job = {}
@@ -132,7 +134,8 @@ def bcast(backend, x, root: int = 0):
 def allreduce(backend, x, op):
     """The elementwise reduction of every rank's ``x``: op is "sum", "avg" (``du.avg``),
     "max", "min", "prod", or operator.add, max, min, operator.mul. Returns the kind of ``x``
-    (mx.array, numpy array or Python scalar). Bools: sum/max are OR, min/prod are AND."""
+    (mx.array, numpy array or Python scalar). Bools: sum/max are OR, min/prod are AND.
+    Floating max/min: a NaN on any rank gives NaN there, on every backend."""
     op = _op_name(op)
     check_backend(backend)
     arr, back = _as_mx(x) if is_array(x) else _number_as_mx(x)
@@ -140,7 +143,21 @@ def allreduce(backend, x, op):
     if arr.dtype == mx.bool_:  # as bytes: MPI aborts on bools
         op = "max" if op in ("sum", "max") else "min"
         return back(_reduce(backend, "allreduce", arr.astype(mx.uint8), op).astype(mx.bool_))
+    if op in ("max", "min") and is_floating(arr.dtype):
+        return back(_nan_wins(backend, arr, op))
     return back(_reduce(backend, "allreduce", arr, op))
+
+
+def _nan_wins(backend, a, op):
+    """max or min where a NaN on any rank wins: transports drop or keep a NaN depending on
+    which rank holds it. Where each rank has a NaN travels beside the values, in the same
+    collective: the values with NaNs made the losing infinity, then the NaN flags (1 for max,
+    -1 for min, so that the op itself spreads them)."""
+    nan = mx.isnan(a).reshape(-1)
+    loser, flag = (-mx.inf, 1) if op == "max" else (mx.inf, -1)
+    both = mx.concatenate([mx.where(nan, loser, a.reshape(-1)).astype(a.dtype), (nan * flag).astype(a.dtype)])
+    out = _reduce(backend, "allreduce", both, op)
+    return mx.where(out[a.size :] != 0, mx.nan, out[: a.size]).astype(a.dtype).reshape(a.shape)
 
 
 def reduce(backend, x, op, root: int = 0):
@@ -185,10 +202,11 @@ def _reduce(backend, what, arrays, op, scale=1.0, in_place=False):
 def _door(backend, what, arrays, primitive, *details):
     """The one door: ``primitive(arrays)`` run as one watched collective, inputs evaluated
     before the clock starts (their computation, a backward pass say, is not the collective's),
-    the result evaluated inside the watched region."""
-    watchdog.evaluate(arrays)
+    the result evaluated inside the watched region. While MLX traces a function nothing is
+    evaluated, and debug mode does not check (ranks may trace at different times)."""
+    tracing = not watchdog.evaluate(arrays)
     with watchdog.collective(backend.rank, watchdog.Call(what, details, arrays)) as call:
-        if call is not None and backend.size > 1 and watchdog.debug():
+        if call is not None and not tracing and backend.size > 1 and watchdog.debug():
             _check_same_call(backend, call)
         out = primitive(arrays)
         watchdog.evaluate(out)

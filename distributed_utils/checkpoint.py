@@ -47,8 +47,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read, or does not fit the model; raised on every rank."""
 
 
-def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, step=None, extra=None):
+def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, step=None, extra=None, keep=None):
     """Collective: write a checkpoint of this job to ``path`` (rank 0 writes; every rank waits).
+
+    With ``keep=k``, ``path`` is a directory of checkpoints: this one is written to
+    ``path/step-{step}.safetensors`` (``step`` is then required) and all but the newest k
+    are removed; ``load_checkpoint(backend, path)`` loads the newest.
 
     ``model``: an ``nn.Module`` (all its parameters); ``optimizer``: an ``mlx.optimizers``
     optimizer or ``du.DistributedOptimizer`` (its ``state``); ``data``: your position in the
@@ -58,6 +62,10 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
     If rank 0 cannot write, every rank raises CheckpointError, and no temporary file is left.
     """
     check_backend(backend)
+    if keep is not None:
+        if not (isinstance(keep, int) and keep >= 1 and isinstance(step, int)):
+            raise ValueError(f"save_checkpoint: keep= needs an int >= 1 and an int step=, got keep={keep!r}, step={step!r}")
+        folder, path = Path(path), Path(path) / f"{_STEP_PREFIX}{step:012d}.safetensors"
     arrays = {}
     if model is not None:
         arrays.update(_flat("model", model.parameters()))
@@ -76,7 +84,14 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
     writing = _write_atomically(Path(path), arrays, meta_json) if backend.rank == 0 else None
     if backend.rank != 0:
         _with_heartbeats(backend, None)  # until rank 0's last word
-    root_runs(backend, lambda: _with_heartbeats(backend, writing), 0, CheckpointError, f"write {path}")
+
+    def write():
+        _with_heartbeats(backend, writing)
+        if keep is not None:
+            for old in _checkpoints_in(folder)[:-keep]:
+                old.unlink()
+
+    root_runs(backend, write, 0, CheckpointError, f"write {path}")
 
 
 def _with_heartbeats(backend, pieces):
@@ -99,7 +114,8 @@ def _with_heartbeats(backend, pieces):
 def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     """Collective: restore what ``save_checkpoint`` wrote to ``path``, on every rank.
 
-    Rank 0 reads the file and broadcasts it. ``model`` gets the saved parameters in place,
+    Rank 0 reads the file (the newest checkpoint when ``path`` is a directory of them, see
+    ``keep``) and broadcasts it. ``model`` gets the saved parameters in place,
     ``optimizer`` the saved state, ``data`` (if it has ``load_state_dict``) its state, and each
     rank its own random state (when the world size is the one saved). Returns
     ``{"step", "data", "extra"}``, or None on every rank when ``path`` does not exist.
@@ -107,7 +123,7 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     does not fit ``model`` or ``optimizer``.
     """
     check_backend(backend)
-    header = root_runs(backend, lambda: _read_header(Path(path)), 0, CheckpointError, f"read {path}")
+    path, header = root_runs(backend, lambda: _find_and_read(Path(path)), 0, CheckpointError, f"read {path}")
     if header is None:
         return None
     meta, entries = header
@@ -206,6 +222,25 @@ def _write_buffers(f, buffers):
                 f.flush()
                 os.fsync(f.fileno())
             yield
+
+
+_STEP_PREFIX = "step-"
+
+
+def _checkpoints_in(folder: Path) -> list:
+    """The checkpoints ``save_checkpoint(keep=)`` wrote to ``folder``, oldest first."""
+    return sorted(folder.glob(f"{_STEP_PREFIX}*.safetensors"))
+
+
+def _find_and_read(path: Path):
+    """The checkpoint at ``path`` (the newest one when it is a directory of them) and its
+    header (None when there is none)."""
+    if path.is_dir():
+        found = _checkpoints_in(path)
+        if not found:
+            return path, None
+        path = found[-1]
+    return path, _read_header(path)
 
 
 def _read_header(path: Path):

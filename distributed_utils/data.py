@@ -8,6 +8,7 @@ and reads items (or rows of a batch, with one ``data[indices]`` call for arrays 
 Face datasets) only when they are asked for.
 """
 
+import hashlib
 import itertools
 import operator
 import sys
@@ -73,6 +74,8 @@ class DistributedDataContainer:
         self.world_size = total_workers(backend)
         self.data = data
         self.epoch = 0
+        self._done = 0  # batches handed out in self.epoch (by the last batches())
+        self._resume = None  # (epoch, batches done) from load_state_dict, for the next batches()
         self._columns = _as_columns(data, self._label)  # None unless data is a tuple or dict of columns
         self._n = _length(data, self._columns, self._label)
         self._check_same_length_everywhere()
@@ -125,7 +128,27 @@ class DistributedDataContainer:
         self._check_sized("num_batches")
         return batch_count(self._n, self.world_size, self._batch_size(batch_size), drop_last)
 
-    def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=0):
+    def state_dict(self) -> dict:
+        """Where the job is in the data, the same on every rank: the epoch, and the batches of
+        it that ``batches()`` handed out (a batch counts once it is handed out; an epoch read
+        to its end is the next epoch at 0). For ``save_checkpoint(data=container)``."""
+        return {"epoch": self.epoch, "batches": self._done, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict):
+        """Resume from ``state_dict()``: ``self.epoch`` becomes the saved epoch, and the next
+        ``batches()`` of that epoch (given no ``start``) skips the batches already done.
+        Mid-epoch, the world size must be the saved one; at an epoch boundary any will do."""
+        epoch, done = operator.index(state["epoch"]), operator.index(state["batches"])
+        if done and state["world_size"] != self.world_size:
+            raise ValueError(
+                f"{self._label}: the data position was saved by {state['world_size']} ranks in the middle of "
+                f"epoch {epoch} ({done} batches); resuming mid-epoch needs the same world size "
+                f"(this job has {self.world_size}): resume with {state['world_size']} ranks, or from a "
+                "checkpoint saved at the end of an epoch"
+            )
+        self.epoch, self._done, self._resume = epoch, done, (epoch, done)
+
+    def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=None):
         """Yields this rank's batches for one epoch: mx.arrays stacked along a new first axis
         (a tuple or dict of them for tuple/dict/dataset data; a field of strings or other
         non-numbers stays a list). Every rank yields the same number of batches, of the same
@@ -137,28 +160,55 @@ class DistributedDataContainer:
         with ``drop_last`` every batch is full and no item repeats (up to
         ``P * batch_size - 1`` items are skipped). ``shuffle`` draws one global permutation
         from ``(seed, epoch)``, the same on every rank, then shards it; ``epoch`` defaults to
-        the one from ``set_epoch``. ``start`` skips the first ``start`` batches: to resume,
-        save ``(epoch, batches done)`` and pass them back.
+        the one from ``set_epoch`` (or ``load_state_dict``). ``start`` skips the first ``start``
+        batches; by default, after ``load_state_dict``, the batches already done.
 
-        A stream is collective: one ``allreduce(min)`` per batch. The epoch ends at the first
+        Collective: every rank checks that all ranks passed the same arguments (one small
+        allgather), and raises ValueError on every rank otherwise (different batch sizes would
+        give different step counts: a deadlock). A stream: one ``allreduce(min)`` per batch. The epoch ends at the first
         step where some rank has fewer than ``batch_size`` items left; then every rank
         yields a last batch of the smallest count (not with ``drop_last``). A generator can
         be read once. ``shuffle`` needs sized data."""
         batch_size = self._batch_size(batch_size)
+        epoch = self.epoch if epoch is None else operator.index(epoch)
+        if start is None:
+            start = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
         start = operator.index(start)
+        self._resume = None
+        self._check_same_everywhere(batch_size=batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
+                                    drop_last=drop_last, start=start)  # fmt: skip
         if self.is_stream:
             if shuffle:
                 raise ValueError(f"{self._label}: cannot shuffle a stream (data of unknown length)")
-            return self._stream_batches(batch_size, drop_last, start)
+            return self._counted(epoch, start, self._stream_batches(batch_size, drop_last, start))
         total = self.num_batches(batch_size, drop_last=drop_last)
         if not 0 <= start <= total:
             raise ValueError(f"{self._label}: start={start} is not in 0..{total} (batches per epoch)")
-        epoch = self.epoch if epoch is None else operator.index(epoch)
         order = epoch_indices(
             self._n, self.world_size, self.rank, batch_size,
             shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last,
         )  # fmt: skip
-        return (self._fetch(order[b : b + batch_size]) for b in range(start * batch_size, len(order), batch_size))
+        batches = (self._fetch(order[b : b + batch_size]) for b in range(start * batch_size, len(order), batch_size))
+        return self._counted(epoch, start, batches)
+
+    def _counted(self, epoch, start, batches):
+        """``batches``, keeping ``state_dict`` up to date as they are handed out."""
+        self.epoch, self._done = epoch, start
+        for batch in batches:
+            self._done += 1
+            yield batch
+        self.epoch, self._done = epoch + 1, 0
+
+    def _check_same_everywhere(self, **arguments):
+        # seed: any value numpy's default_rng takes; compared by a 62-bit digest of its repr
+        mine = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:8]) >> 2 if k == "seed" else int(v)
+                for k, v in arguments.items()]  # fmt: skip
+        everyone = allgather(self.backend, np.array([mine], np.int64))
+        for column, name in enumerate(arguments):
+            if (everyone[:, column] != everyone[0, column]).any():
+                values = allgather(self.backend, repr(arguments[name]))
+                shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                raise ValueError(f"{self._label}: batches() needs the same {name} on every rank ({shown})")
 
     def _stream_batches(self, batch_size, drop_last, start):
         items = iter(self)

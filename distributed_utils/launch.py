@@ -5,7 +5,8 @@
 
 Every output line is prefixed with its rank. When a rank fails, the others are stopped
 and the launcher names it and exits with its code (128 + signal for a killed rank; 124 when
-the watchdog ended a rank stuck in a collective).
+the watchdog ended a rank stuck in a collective). With ``--max-restarts K`` the whole job is
+started again after a failure (fresh ports and job id), up to K times.
 """
 
 import argparse
@@ -15,6 +16,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +25,7 @@ import threading
 from pathlib import Path
 
 from .backends.environment import job_environment, listen_error
-from .supervise import spawn, supervise
+from .supervise import log, spawn, supervise
 
 BACKENDS = ("mpi", "ring", "mlx-mpi")
 PROBE_SECONDS = 30  # for a remote host to run `true` through the remote shell
@@ -33,13 +35,30 @@ DEFAULT_REMOTE_SHELL = "ssh {host}"
 def main(argv=None):
     args = parse_args(argv)
     hosts = read_hostfile(args.hostfile, args.n) if args.hostfile else ["127.0.0.1"] * args.n
-    env = job_environment(args.backend, len(hosts), args.timeout, args.debug)
-    check_reachable(hosts, args.remote_shell)
-    if args.backend == "ring":
-        code = run_ring(hosts, args.command, env, args.remote_shell, args.port)
-    else:
-        code = run_mpirun(hosts, args, env)
+    for attempt in range(args.max_restarts + 1):
+        check_reachable(hosts, args.remote_shell)
+        with tempfile.TemporaryDirectory(prefix="du-reports-") as report_dir:
+            env = job_environment(args.backend, len(hosts), report_dir, args.timeout, args.debug, attempt)
+            if args.backend == "ring":
+                code, report, failure = run_ring(hosts, args.command, env, args.remote_shell, args.port)
+            else:
+                code, report, failure = run_mpirun(hosts, args, env)
+        if failure is None:
+            sys.exit(0)
+        if args.max_restarts:
+            log(root_cause(attempt, hosts, report, failure))
+            if attempt < args.max_restarts:
+                log(f"restarting the job: attempt {attempt + 2} of {args.max_restarts + 1} (DU_RESTART={attempt + 1})")
     sys.exit(code)
+
+
+def root_cause(attempt, hosts, report, failure) -> str:
+    """What ended attempt ``attempt``: the first failing rank, its host, how, its last lines."""
+    if failure.rank is None:
+        return f"attempt {attempt + 1} failed (exit code {failure.code}); no rank was named as its cause"
+    lines = "\n".join(f"    {line}" for line in report.tails[failure.rank])
+    return (f"attempt {attempt + 1} failed: rank {failure.rank} on {hosts[failure.rank]} {failure.how}; "
+            f"its last lines:\n{lines}")  # fmt: skip
 
 
 def parse_args(argv):
@@ -55,6 +74,10 @@ def parse_args(argv):
     p.add_argument("--port", type=int, help="ring: rank r listens on port PORT + r (default: free ports)")
     p.add_argument("--timeout", type=float, help="seconds before the watchdog ends a stuck job (DU_TIMEOUT)")
     p.add_argument("--debug", action="store_true", help="check every collective across ranks first (DU_DEBUG=1)")
+    p.add_argument(
+        "--max-restarts", type=int, default=0, metavar="K",
+        help="after a failure, stop every rank and start the whole job again, up to K times (DU_RESTART: the attempt)",
+    )  # fmt: skip
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program every rank runs")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -69,6 +92,8 @@ def parse_args(argv):
         p.error(f"--port must be a port number, got {args.port}")
     if args.port is not None and args.backend != "ring":
         p.error("--port is for --backend ring (mpirun chooses its own ports)")
+    if args.max_restarts < 0:
+        p.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.timeout is not None and not args.timeout >= 0:
         p.error(f"--timeout must be >= 0 seconds (0: never), got {args.timeout}")
     if args.backend != "ring" and not args.remote_shell.rstrip().endswith("{host}"):
@@ -151,7 +176,7 @@ def run_ring(hosts, command, env, remote_shell, port=None):
                 remote = f"cd {shlex.quote(os.getcwd())} && env {exports} {shlex.join(command)}"
                 argv, popen_env = shlex.split(remote_shell.format(host=host)) + [remote], None
             procs.append(spawn(argv, popen_env))
-        return supervise(procs, len(hosts))
+        return supervise(procs, len(hosts), report_dir=env["DU_REPORT_DIR"])
 
 
 def resolve(host):
@@ -221,8 +246,9 @@ def run_mpirun(hosts, args, env):
             cmd += ["--hostfile", hostfile.name, "--bind-to", "none"]
         else:
             cmd.append("--oversubscribe")
-        proc = spawn(cmd + abort_on_failure(args.command), {**os.environ, **env})
-        return supervise([proc], len(hosts), tagged=True)
+        # SIGTERM, not SIGKILL, when du-launch dies: mpirun then stops the ranks itself
+        proc = spawn(cmd + abort_on_failure(args.command), {**os.environ, **env}, die_with_launcher=signal.SIGTERM)
+        return supervise([proc], len(hosts), tagged=True, report_dir=env["DU_REPORT_DIR"])
 
 
 def abort_on_failure(command):

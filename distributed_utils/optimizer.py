@@ -3,14 +3,18 @@
 and Horovod's ``DistributedOptimizer``)."""
 
 import functools
+import hashlib
 
 import mlx.core as mx
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .api import allreduce_arrays, total_workers
+from .api import allgather, allreduce_arrays, total_workers
+from .arrays import UINT_BY_SIZE
 from .backends import AbstractBackend
 from .tree import GRADIENT_BUCKET_BYTES, buckets, describe, pack, unpack, verify_same_structure
+from .watchdog import evaluate
 
 
 def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, compression=None, bucket_bytes=None,
@@ -30,7 +34,8 @@ def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, compression=Non
         bucket_bytes: arrays smaller than this travel packed by dtype, up to this many bytes a
             collective; 0 sends each alone. Default (None): ``GRADIENT_BUCKET_BYTES`` (32 MiB).
         verify: first check that every rank passes the same tree (keys, shapes, dtypes; one
-            32-byte allgather), and raise ``TreeMismatchError`` on every rank if not. Default True.
+            32-byte allgather), and raise ``TreeMismatchError`` on every rank if not; skipped
+            while MLX traces a function. Default True.
 
     On MPIBackend the gradients are reduced in their own memory when they can be (evaluated,
     contiguous, not sharing memory with each other): afterwards those arrays hold the result.
@@ -38,9 +43,10 @@ def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, compression=Non
     """
     n = total_workers(backend)
     what = "reduce_gradients(grads)"
-    if verify and n > 1:
-        verify_same_structure(backend, describe(gradients), what)
     flat = [(key, g) for key, g in tree_flatten(gradients) if isinstance(g, mx.array)]
+    # While MLX traces (mx.compile) nothing may talk eagerly: ranks may trace at different times.
+    if verify and n > 1 and evaluate([g for _, g in flat]):
+        verify_same_structure(backend, describe(gradients), what)
     for key, g in flat:  # the same on every rank: the dtypes agree
         if not mx.issubdtype(g.dtype, mx.inexact):
             raise TypeError(f"{what}: gradient '{key}' has dtype {g.dtype}; gradients are floating")
@@ -88,9 +94,10 @@ class DistributedOptimizer(optim.Optimizer):
 
     Collective: every rank calls ``update`` (or ``apply_gradients``, ``reduce_gradients``) as
     often and in the same order as the others, with trees of the same keys, shapes and dtypes
-    (frozen parameters: frozen on every rank). The first reduction verifies that, and raises
-    ``du.TreeMismatchError`` on every rank otherwise; later ones verify again when this rank's
-    tree changed.
+    (frozen parameters: frozen on every rank). Every reduction verifies that (one 32-byte
+    allgather; not while MLX traces a function), and raises ``du.TreeMismatchError`` on every
+    rank otherwise. The first update also checks, once, that every rank starts from the same
+    parameters (a forgotten ``du.synchronize``), and raises ``ValueError`` on every rank if not.
 
     Args:
         backend: the backend the ranks share (``du.get_distributed_backend(...)``).
@@ -123,7 +130,8 @@ class DistributedOptimizer(optim.Optimizer):
             raise ValueError(f"compression must be None, mx.float16 or mx.bfloat16, got {compression!r}")
         self.backend, self.optimizer, self.op = backend, optimizer, op
         self.accumulate_steps, self.compression, self.bucket_bytes = accumulate_steps, compression, bucket_bytes
-        self._verified = None  # the description of the last tree verified across ranks
+        self._first = True  # no reduction yet
+        self._parameters_checked = False
         self._sum, self._calls = None, 0  # the local gradient sum of this accumulation cycle
 
     def __getattr__(self, name):  # only for names not found on the wrapper itself
@@ -158,7 +166,7 @@ class DistributedOptimizer(optim.Optimizer):
     def update(self, model, gradients):
         """Reduce ``gradients`` across ranks, then the wrapped optimizer updates ``model``.
         With ``accumulate_steps=k``, only the k-th call of each cycle does either."""
-        reduced = self._accumulate(gradients)
+        reduced = self._accumulate(gradients, model.parameters())
         if reduced is not None:
             model.update(self.optimizer.apply_gradients(reduced, model))
 
@@ -166,7 +174,7 @@ class DistributedOptimizer(optim.Optimizer):
         """The wrapped optimizer's ``apply_gradients`` on the reduced ``gradients``. With
         ``accumulate_steps=k``, the other calls return ``parameters`` (restricted to the keys
         of ``gradients``) unchanged."""
-        reduced = self._accumulate(gradients)
+        reduced = self._accumulate(gradients, parameters)
         if reduced is None:
             return tree_map(lambda _, p: p, gradients, parameters)
         return self.optimizer.apply_gradients(reduced, parameters)
@@ -177,17 +185,19 @@ class DistributedOptimizer(optim.Optimizer):
         return self._reduce(gradients, 1.0, "DistributedOptimizer.reduce_gradients(grads)")
 
     def _reduce(self, gradients, scale, what):
-        description = describe(gradients)
-        if description != self._verified and self.backend.size > 1:
-            verify_same_structure(self.backend, description, what)
-        if self._verified is None:
+        if self._first:
             _raise_cache_limit(4 * sum(g.nbytes for _, g in tree_flatten(gradients) if isinstance(g, mx.array)))
-        self._verified = description
+            self._first = False
+        if self.backend.size > 1 and evaluate(gradients):  # not while MLX traces (see reduce_gradients)
+            verify_same_structure(self.backend, describe(gradients), what)
         return reduce_gradients(self.backend, gradients, op=self.op, scale=scale, compression=self.compression,
                                 bucket_bytes=self.bucket_bytes, verify=False)  # fmt: skip
 
-    def _accumulate(self, gradients):
+    def _accumulate(self, gradients, parameters):
         """The reduced gradients of this call, or None while an accumulation cycle goes on."""
+        if not self._parameters_checked and self.backend.size > 1 and evaluate(parameters):
+            _check_same_parameters(self.backend, parameters)
+            self._parameters_checked = True
         k = self.accumulate_steps
         what = "DistributedOptimizer.update(grads)"
         if k == 1:
@@ -200,6 +210,22 @@ class DistributedOptimizer(optim.Optimizer):
             return None
         self._sum, self._calls = None, 0
         return self._reduce(total, 1 / k if self.op == "avg" else 1.0, what)
+
+
+def _check_same_parameters(backend, parameters):
+    """Collective, once: raise ValueError on every rank unless every rank holds rank 0's
+    parameters (one 32-byte allgather of a digest of their bits)."""
+    digest = hashlib.sha256()
+    for _, p in tree_flatten(parameters):
+        if isinstance(p, mx.array):
+            digest.update(memoryview(np.asarray(p.reshape(-1).view(UINT_BY_SIZE[p.dtype.size]))))
+    digests = allgather(backend, np.frombuffer(digest.digest(), np.uint8)).reshape(backend.size, -1)
+    differ = [r for r in range(backend.size) if (digests[r] != digests[0]).any()]
+    if differ:
+        raise ValueError(
+            f"DistributedOptimizer: at the first update, ranks {differ} hold other parameters than "
+            "rank 0: call du.synchronize(backend, model) on every rank before training"
+        )
 
 
 def _add(a, b):

@@ -7,6 +7,7 @@ waiting for ranks that wait for it. ``du-launch`` inserts this for the MPI backe
 like ``python -m mpi4py``, but it aborts before MLX's MPI teardown can block.
 """
 
+import os
 import runpy
 import sys
 import traceback
@@ -32,11 +33,20 @@ def main(argv):
             if not isinstance(code, int):
                 print(code, file=sys.stderr)
             abort_mpi(status)
+        say_finished()
         raise
     except BaseException:
         traceback.print_exc()
         abort_mpi(130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 1)
         raise
+    say_finished()
+
+
+def say_finished():
+    """Tell du-launch (which hides the line) that this rank's program ended well: if the
+    others then wait for it in a collective, it left the job early."""
+    if os.environ.get("DU_JOB_ID") and "OMPI_COMM_WORLD_RANK" in os.environ:
+        print(f"du-launch: rank {os.environ['OMPI_COMM_WORLD_RANK']} finished", file=sys.stderr, flush=True)
 
 
 def abort_mpi(status):

@@ -6,6 +6,8 @@ by du-launch) and mpirun's (one mpirun, which starts and stops the ranks itself 
 which one failed in its own report).
 """
 
+import collections
+import ctypes
 import os
 import re
 import signal
@@ -18,19 +20,12 @@ GRACE_SECONDS = 3  # between SIGTERM and SIGKILL for the ranks left when one fai
 SETTLE_SECONDS = 0.5  # after a rank fails, for the others that fail with it, to tell cause from effect
 MPIRUN_GRACE = 5  # for mpirun to end the job once a rank failed (it may wait on a lost host)
 WATCHDOG_EXIT = 124  # watchdog.EXIT_CODE
+TAIL_LINES = 12  # of a failed rank's output, repeated in the failure's summary
 
-
-def spawn(argv, env):
-    try:
-        return subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-        )
-    except FileNotFoundError as e:
-        raise SystemExit(f"du-launch: cannot run {argv[0]!r}: {e.strerror}") from None
-
-
+#: What ``distributed_utils.run`` prints (to stderr) when a rank's program ends well; not shown.
+FINISHED = re.compile(rb"^du-launch: rank (\d+) finished\n?$")
 _TAG = re.compile(rb"^\[\d+,(\d+)\]<std(?:out|err)>: ?")
-_WATCHDOG = re.compile(rb"^du watchdog: rank (\d+):")
+_WATCHDOG = re.compile(rb"^du watchdog: rank (\d+):.*?(this process itself was stopped)?")
 # mpirun's own report of the rank that ended the job (the lines it prints untagged)
 _MPIRUN_RANK = re.compile(rb"process rank (\d+)|Process name: \[\S+,(\d+)\]")
 _MPIRUN_SIGNAL = re.compile(rb"^signal (\d+) \(")
@@ -40,55 +35,102 @@ _PEER_LOST = re.compile(rb"^\[ring\] (Socket \d+ was closed|Sending to socket|To
 _print_lock = threading.Lock()
 
 
-class Report:
-    """What the output says about how the job ends: which ranks the watchdog stopped, and
-    (for mpirun, which supervises the ranks itself) which rank failed and how."""
+def spawn(argv, env, *, die_with_launcher=signal.SIGKILL):
+    """Start ``argv`` in a session of its own, its output piped to the launcher. On Linux it
+    gets ``die_with_launcher`` when the launcher dies, even by SIGKILL (prctl PDEATHSIG)."""
+    try:
+        return subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=_parent_death_signal(die_with_launcher),
+        )  # fmt: skip
+    except FileNotFoundError as e:
+        raise SystemExit(f"du-launch: cannot run {argv[0]!r}: {e.strerror}") from None
 
-    def __init__(self):
-        self.watchdog = set()
-        self.peer_lost = set()  # ranks that saw a peer go
+
+def _parent_death_signal(sig):
+    if not sys.platform.startswith("linux"):
+        return None  # elsewhere the ranks notice their parent's death themselves (run.py)
+    libc = ctypes.CDLL(None, use_errno=True)
+    return lambda: libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+class Report:
+    """What the output says about how the job went: the last lines of each rank, which ranks
+    finished, lost a peer, or were ended by the watchdog (and which of those had been
+    stopped), and, from mpirun's own report, which rank failed and how."""
+
+    def __init__(self, world_size):
+        self.world_size = world_size
+        self.tails = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
+        self.finished, self.peer_lost, self.watchdog, self.stopped = set(), set(), set(), set()
         self.failed_rank = self.signal = None
         self.lost_host = False
         self.failure = threading.Event()
 
-    def scan(self, line, rank, tagged_line):
-        if rank is not None and _PEER_LOST.search(line):
-            self.peer_lost.add(rank)
+    def scan(self, line, rank, from_rank) -> bool:
+        """Note what ``line`` says; return whether to show it."""
+        if rank is not None:
+            m = FINISHED.match(line)
+            if m:
+                self.finished.add(int(m.group(1)))
+                return False
+            self.tails[rank].append(line.decode(errors="replace").rstrip())
+            if _PEER_LOST.search(line):
+                self.peer_lost.add(rank)
         m = _WATCHDOG.match(line)
         if m:
             self.watchdog.add(int(m.group(1)))
+            if m.group(2):
+                self.stopped.add(int(m.group(1)))
             self.failure.set()
-        if tagged_line:
-            return
-        m = _MPIRUN_RANK.search(line)
-        if m and self.failed_rank is None:
-            self.failed_rank = int(m.group(1) or m.group(2))
-            self.failure.set()
-        if _MPIRUN_LOST.search(line):
-            self.lost_host = True
-            self.failure.set()
-        m = _MPIRUN_SIGNAL.match(line)
-        if m and self.signal is None:
-            self.signal = int(m.group(1))
+        if not from_rank:  # mpirun's own lines
+            m = _MPIRUN_RANK.search(line)
+            if m and self.failed_rank is None:
+                self.failed_rank = int(m.group(1) or m.group(2))
+                self.failure.set()
+            if _MPIRUN_LOST.search(line):
+                self.lost_host = True
+                self.failure.set()
+            m = _MPIRUN_SIGNAL.match(line)
+            if m and self.signal is None:
+                self.signal = int(m.group(1))
+        return True
+
+    def watchdog_summary(self) -> str:
+        text = f"the watchdog ended the job: ranks {sorted(self.watchdog)} waited past the timeout (see their reports)"
+        if self.stopped:
+            return text + f"; ranks {sorted(self.stopped)} had been stopped (SIGSTOP or frozen) while waiting: the cause"
+        silent = sorted(set(range(self.world_size)) - self.watchdog)
+        early = sorted(self.finished & set(silent))
+        if early:
+            text += f"; ranks {early} had already finished their program: they left the job early"
+        rest = sorted(set(silent) - set(early))
+        if rest:
+            text += (f"; ranks {rest} did not report waiting: they are behind, stuck elsewhere, failed "
+                     "otherwise, or their report was lost")  # fmt: skip
+        return text
 
 
-def forward(stream, out, rank, report):
-    """Copy ``stream`` to ``out`` line by line, each line prefixed with its rank
-    (``rank=None``: the rank comes from mpirun's ``--output tag`` prefix), and scan it.
-    A carriage return ends a line too, so progress bars redraw in place, each with its rank."""
-    last_rank, continued = None, False  # continued: the last piece was a progress-bar redraw
+def forward(stream, out, report, rank=None):
+    """Copy ``stream`` to ``out`` line by line, each line prefixed with its rank, and scan it.
+    ``rank=None``: the stream is mpirun's, whose ``--output tag`` prefix names each line's rank
+    (mpirun's own lines have none). A carriage return ends a line too, so progress bars redraw
+    in place, each with its rank."""
+    last_rank, redraw = None, False  # redraw: the last piece ended with a carriage return
     for line in _pieces(stream):
-        tagged, line_rank = True, rank
+        line_rank, from_rank = rank, True
         if rank is None:
             m = _TAG.match(line)
-            tagged, line_rank = bool(m) or continued, int(m.group(1)) if m else (last_rank if continued else None)
-            line = line[m.end():] if m else line
-        prefix = b"[rank %d] " % line_rank if line_rank is not None else b""
-        report.scan(line, line_rank, tagged)
-        with _print_lock:
-            out.write(prefix + line)
-            out.flush()
-        last_rank, continued = line_rank, line.endswith(b"\r")
+            if m:
+                line_rank, line = int(m.group(1)), line[m.end() :]
+            else:  # the rest of a redrawn line, or mpirun's own
+                line_rank, from_rank = (last_rank, True) if redraw else (None, False)
+        if report.scan(line, line_rank, from_rank):
+            prefix = b"[rank %d] " % line_rank if line_rank is not None else b""
+            with _print_lock:
+                out.write(prefix + line)
+                out.flush()
+        last_rank, redraw = line_rank, line.endswith(b"\r")
 
 
 def _pieces(stream):
@@ -101,74 +143,99 @@ def _pieces(stream):
         yield rest
 
 
-def supervise(procs, world_size, tagged=False):
-    """Wait for every process; when one fails, stop the rest. Returns the job's exit code.
-    ``tagged``: ``procs`` is one mpirun, which stops the ranks itself (given MPIRUN_GRACE)."""
-    report = Report()
-    threads = []
-    for rank, p in enumerate(procs):
-        for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
-            t = threading.Thread(target=forward, args=(stream, out, None if tagged else rank, report), daemon=True)
-            t.start()
-            threads.append(t)
-    done = threading.Event()
-    failures = []  # (rank, code), in the order the launcher saw them exit
+class Failure:
+    """How a job failed: its exit code, and the rank that caused it (None when not known)."""
+
+    def __init__(self, code, rank=None, how=""):
+        self.code, self.rank, self.how = code, rank, how
+
+
+def supervise(procs, world_size, tagged=False, report_dir=None):
+    """Wait for every process; when one fails, stop the rest. Returns (exit code, Report,
+    Failure or None). ``tagged``: ``procs`` is one mpirun, which stops the ranks itself."""
+    report = Report(world_size)
+    readers = [
+        threading.Thread(target=forward, args=(stream, out, report, None if tagged else rank), daemon=True)
+        for rank, p in enumerate(procs)
+        for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer))
+    ]  # fmt: skip
+    for t in readers:
+        t.start()
+    stop_on_signals(procs)
+    failure = wait_mpirun(procs[0], report) if tagged else wait_ranks(procs, report)
+    deadline = time.monotonic() + GRACE_SECONDS  # for the output still in the pipes
+    for t in readers:  # (a process left on a lost host may hold them open)
+        t.join(timeout=max(0, deadline - time.monotonic()))
+    show_lost_reports(report, report_dir)
+    if report.watchdog:
+        log(report.watchdog_summary())
+    return (0 if failure is None else failure.code), report, failure
+
+
+def wait_ranks(procs, report):
+    """The ring's processes, one per rank: wait until all exit 0 (None), or one fails: then let
+    the others that fail with it settle, name the cause, stop the rest (a Failure)."""
+    exits = []  # (rank, code), in the order the launcher saw them
+    exited = threading.Condition()
 
     def wait(rank, p):
         code = p.wait()
-        if code != 0:
-            failures.append((rank, code))
-        done.set()
+        with exited:
+            exits.append((rank, code))
+            exited.notify()
 
     for rank, p in enumerate(procs):
         threading.Thread(target=wait, args=(rank, p), daemon=True).start()
-    forward_signals(procs)
-    if tagged:
-        code = wait_mpirun(procs[0], report)
-    else:
-        while any(p.poll() is None for p in procs) and not failures:
-            done.wait()
-            done.clear()
-        code = 0
-        if failures:
-            settle = time.monotonic() + SETTLE_SECONDS
-            while any(p.poll() is None for p in procs) and time.monotonic() < settle:
-                done.wait(timeout=max(0, settle - time.monotonic()))
-                done.clear()
-            # Ranks that exit within a few ms of each other are reaped in any order: the cause
-            # is the first one that did not merely lose a peer.
-            rank, code = next((f for f in failures if f[0] not in report.peer_lost), failures[0])
-            log(f"rank {rank} {how_it_ended(code)}; stopping the other ranks")
-            stop(procs)
-            code = 128 - code if code < 0 else code
-    deadline = time.monotonic() + GRACE_SECONDS  # for the output still in the pipes
-    for t in threads:  # (a process left on a lost host may hold them open)
-        t.join(timeout=max(0, deadline - time.monotonic()))
-    if report.watchdog:
-        log(watchdog_summary(report.watchdog, world_size))
-    return code
+    with exited:
+        exited.wait_for(lambda: len(exits) == len(procs) or any(code for _, code in exits))
+        if all(code == 0 for _, code in exits):
+            return None
+        exited.wait_for(lambda: len(exits) == len(procs), timeout=SETTLE_SECONDS)
+    failures = [(r, c) for r, c in exits if c]
+    # Ranks that exit within a few ms of each other are reaped in any order: the cause is the
+    # first one that did not merely lose a peer; if they all did, a rank that left early.
+    cause = next((f for f in failures if f[0] not in report.peer_lost), None)
+    early = [r for r, c in exits if c == 0 and exits.index((r, c)) < exits.index(failures[0])]
+    if cause is None and early:
+        log(f"rank {early[0]} exited with code 0 while the others still ran: it left the job early "
+            f"(ranks {sorted(report.peer_lost)} lost it as a peer); stopping the other ranks")  # fmt: skip
+        stop(procs)
+        code = failures[0][1]
+        return Failure(128 - code if code < 0 else code, early[0], "left the job early (exit code 0)")
+    rank, code = cause or failures[0]
+    log(f"rank {rank} {how_it_ended(code)}; stopping the other ranks")
+    stop(procs)
+    return Failure(128 - code if code < 0 else code, rank, how_it_ended(code))
 
 
 def wait_mpirun(proc, report):
-    """mpirun's exit code, naming the failed rank from its report; stops an mpirun that has
-    not ended the job MPIRUN_GRACE seconds after a rank failed (a host it cannot reach)."""
+    """mpirun's exit: None, or a Failure naming the failed rank from mpirun's report. Stops an
+    mpirun that has not ended the job MPIRUN_GRACE seconds after a rank failed (a lost host)."""
     while proc.poll() is None:
         if report.failure.wait(timeout=1):
             try:
                 proc.wait(timeout=MPIRUN_GRACE)
             except subprocess.TimeoutExpired:
-                log(f"mpirun has not ended the job {MPIRUN_GRACE} s after a rank failed; stopping it")
-                stop([proc])
-                return WATCHDOG_EXIT if report.watchdog else 1
+                log(f"mpirun has not ended the job {MPIRUN_GRACE} s after a rank failed; killing it")
+                stop([proc], signals=(signal.SIGKILL,))
+                code = WATCHDOG_EXIT if report.watchdog else 1
+                return Failure(code, _first(report.stopped) or report.failed_rank, how_it_ended(code))
     code = proc.returncode
     code = 128 - code if code < 0 else code
     if code == 0 and report.lost_host:  # mpirun says so, then exits 0
         log("mpirun lost a host and ended the job")
-        code = 1
-    if code and report.failed_rank is not None:
-        how = how_it_ended(-report.signal if report.signal else code)
-        log(f"rank {report.failed_rank} {how}; mpirun stopped the other ranks")
-    return code
+        return Failure(1, None, "was on a host that mpirun lost")
+    if code == 0:
+        return None
+    rank = _first(report.stopped) if report.stopped else report.failed_rank
+    how = how_it_ended(-report.signal if report.signal else code)
+    if rank is not None and not report.stopped:
+        log(f"rank {rank} {how}; mpirun stopped the other ranks")
+    return Failure(code, rank, how)
+
+
+def _first(ranks):
+    return min(ranks) if ranks else None
 
 
 def how_it_ended(code) -> str:
@@ -180,23 +247,28 @@ def how_it_ended(code) -> str:
     return f"exited with code {code}"
 
 
-def watchdog_summary(stopped, world_size) -> str:
-    others = sorted(set(range(world_size)) - stopped)
-    text = f"the watchdog ended the job: ranks {sorted(stopped)} waited past the timeout (see their reports)"
-    if others:
-        text += (
-            f"; ranks {others} did not report waiting: they are behind, stuck elsewhere, failed "
-            "otherwise, or their report was lost"
-        )
-    return text
+def show_lost_reports(report, report_dir):
+    """Show (and scan) the watchdog reports that ranks wrote to ``report_dir`` but whose
+    output never reached the launcher (captured in the process, by pytest say)."""
+    if not report_dir or not os.path.isdir(report_dir):
+        return
+    for name in sorted(os.listdir(report_dir)):
+        m = re.fullmatch(r"rank-(\d+)\.report", name)
+        if m and int(m.group(1)) not in report.watchdog:
+            with open(os.path.join(report_dir, name), "rb") as f:
+                for line in f.read().splitlines(keepends=True):
+                    report.scan(line, int(m.group(1)), True)
+                    log(f"[rank {m.group(1)}] {line.decode(errors='replace').rstrip()}")
 
 
-def stop(procs):
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def stop(procs, signals=(signal.SIGTERM, signal.SIGKILL)):
+    """Signal each process's group, waiting up to GRACE_SECONDS after each signal."""
+    for sig in signals:
         for p in procs:
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, sig)
+                    os.killpg(p.pid, signal.SIGCONT)  # a stopped process acts on signals only once continued
                 except ProcessLookupError:
                     pass
         for p in procs:
@@ -206,20 +278,20 @@ def stop(procs):
                 pass
 
 
-def forward_signals(procs):
-    """Ctrl-C or a SIGTERM to the launcher stops the whole job."""
+def stop_on_signals(procs):
+    """Ctrl-C, SIGTERM or SIGHUP (a closed terminal or ssh session) to the launcher stops the
+    whole job. (A SIGKILL cannot be caught: then the ranks stop themselves, see ``spawn``.)"""
 
     def handler(signum, frame):
         log(f"received {signal.Signals(signum).name}; stopping all ranks")
         stop(procs)
-        sys.exit(128 + signum)
+        os._exit(128 + signum)  # from any thread's wait: no restart after this
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, handler)
 
 
 def log(message):
     with _print_lock:
         print(f"du-launch: {message}", file=sys.stderr, flush=True)
-

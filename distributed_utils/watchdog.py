@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 
 from .arrays import show, signature
-from .backends.environment import launched_rank
+from .backends.environment import launched_rank, report_path
 
 EXIT_CODE = 124  # like coreutils' timeout(1)
 DEFAULT_TIMEOUT = 300.0
@@ -38,6 +38,8 @@ class _State:
         self.rank = None
         self.thread = None
         self.local = threading.local()  # .depth: collectives nested in the current one
+        self.stopped = []  # (from, to): when this process did not run
+        self.parent = None  # the launcher's pid, to exit with it
 
 
 _state = _State()
@@ -126,15 +128,16 @@ def collective(rank: int, call: Call):
     _state.done = call.seq
 
 
-def evaluate(*values):
-    """``mx.eval`` the mx.arrays among ``values`` (lists of them too), unless MLX is tracing a
-    function (``mx.compile``, ``vmap``), where they must stay lazy graph nodes."""
-    arrays = [a for v in values for a in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(a, mx.array)]
+def evaluate(*values) -> bool:
+    """``mx.eval`` the mx.arrays in ``values`` (trees too) and return True; or return False
+    when MLX is tracing a function (``mx.compile``, ``vmap``), where they must stay lazy."""
     try:
-        mx.eval(arrays)
+        mx.eval(values)
     except ValueError as e:
         if "function transformations" not in str(e):
             raise
+        return False
+    return True
 
 
 @contextlib.contextmanager
@@ -189,22 +192,40 @@ class _Entry:
 def _register(what, rank, limit):
     entry = _Entry(what, rank, limit)
     _state.inflight[id(entry)] = entry
+    _start_thread()
+    return entry
+
+
+def _start_thread():
     if _state.thread is None:
         with _state.lock:
             if _state.thread is None:
                 _state.thread = threading.Thread(target=_watch_loop, name="du-watchdog", daemon=True)
                 _state.thread.start()
-    return entry
 
 
 def _unregister(entry):
     _state.inflight.pop(id(entry), None)
 
 
+def exit_with_launcher():
+    """From now on, end this process when its parent (du-launch, or mpirun's daemon) is gone:
+    a launcher killed by SIGKILL cannot stop its ranks itself."""
+    _state.parent = os.getppid()
+    _start_thread()
+
+
 def _watch_loop():
+    last = time.monotonic()
     while True:
         time.sleep(_POLL)
+        if _state.parent is not None and os.getppid() != _state.parent:
+            _say(f"du watchdog: rank {_state.rank}: the launcher (pid {_state.parent}) is gone; exiting")
+            os._exit(EXIT_CODE)
         now = time.monotonic()
+        if now - last > max(1.0, 8 * _POLL):  # this process did not run (SIGSTOP, a frozen VM):
+            _state.stopped.append((last, now))  # its own waits are not the others' fault
+        last = now
         entries = list(_state.inflight.copy().values())
         if any(e.timeout and now - e.start > e.timeout for e in entries):
             _expire(sorted(entries, key=lambda e: e.start))
@@ -216,18 +237,38 @@ def _expire(entries):
         rank = launched_rank() if e.rank is None else e.rank
         name = f"collective #{e.what.seq} {e.what.report()}" if isinstance(e.what, Call) else f"'{e.what}'"
         since = time.strftime("%H:%M:%S", time.localtime(time.time() - (now - e.start)))
+        stopped = sum(min(b, now) - max(a, e.start) for a, b in _state.stopped if b > e.start)
         _say(
             f"du watchdog: rank {rank}: {name} waiting since {since} ({now - e.start:.1f} s, "
             f"timeout {e.timeout:g} s; last finished collective: #{_state.done}); exiting"
+            + (f"; this process itself was stopped for {stopped:.1f} s of it" if stopped > 1 else "")
         )
     time.sleep(GRACE)
     os._exit(EXIT_CODE)
 
 
+def _stderrs():
+    """sys.stderr, and the process's own stderr when sys.stderr writes elsewhere."""
+    try:
+        same = sys.stderr.fileno() == sys.__stderr__.fileno()
+    except Exception:  # a replacement without a file descriptor
+        same = sys.stderr is sys.__stderr__
+    return [sys.stderr] if same else [sys.stderr, sys.__stderr__]
+
+
 def _say(message):
-    for stream in dict.fromkeys([sys.stderr, sys.__stderr__]):  # the user's, and the process's own
+    """Print ``message`` where it can be seen: stderr, and the launcher's report file (output
+    captured in the process, by pytest say, is lost when it exits)."""
+    for stream in _stderrs():
         try:
             stream.write(message + "\n")
             stream.flush()
         except Exception:  # closed or missing; the exit is what matters
+            pass
+    path = report_path()
+    if path:
+        try:
+            with open(path, "a") as f:
+                f.write(message + "\n")
+        except OSError:  # a remote host without the launcher's directory
             pass

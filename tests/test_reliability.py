@@ -3,6 +3,7 @@ survive a crash mid-write, and launcher inputs that fail with a clear error."""
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -190,3 +191,230 @@ def test_a_bad_timeout_in_the_environment_is_a_clear_error():
                  env={"DU_TIMEOUT": "soon"})  # fmt: skip
     assert run.returncode == 1  # each rank raises before connecting; the first to fail ends the job
     assert re.search(r"\[rank \d\] ValueError: DU_TIMEOUT='soon' is not a number of seconds", run.stdout), run.stdout
+
+
+# --- holes found by an adversarial test (../shared/repro/), each closed ------------------------
+
+README_LOOP_FROZEN = """
+import os, signal, numpy as np, mlx.core as mx, mlx.nn as nn, mlx.optimizers as optim, distributed_utils as du
+backend = du.initialize()
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+opt = du.DistributedOptimizer(backend, optim.AdamW(3e-4))
+du.synchronize(backend, model)
+x_train = np.random.default_rng(0).standard_normal((512, 16)).astype(np.float32); y_train = x_train[:, :1] * 2
+data = du.DistributedDataContainer(backend, (x_train, y_train))
+loss_and_grad = nn.value_and_grad(model, lambda m, x, y: ((m(x) - y) ** 2).mean())
+for epoch in range(10**6):
+    for i, (x, y) in enumerate(data.batches(batch_size=32, shuffle=True, seed=0, epoch=epoch)):
+        if epoch == 1 and i == 3 and du.local_rank(backend) == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen (the others cannot tell from dead)
+        loss, grads = loss_and_grad(model, x, y)
+        opt.update(model, grads)
+        mx.eval(loss, model.parameters(), opt.state)
+"""
+
+
+@pytest.mark.parametrize("backend", ["ring", "mlx-mpi", "mpi"])
+def test_the_readme_loop_with_a_frozen_rank_ends_within_the_timeout(backend):  # d3, d11
+    start = time.monotonic()
+    run = launch(2, backend, ["--timeout", str(TIMEOUT), "python", "-c", README_LOOP_FROZEN], timeout=120)
+    assert run.returncode == 124, run.stdout
+    assert time.monotonic() - start < 40, run.stdout  # starting two ranks, the timeout, the grace
+    assert re.search(r"\[rank 0\] du watchdog: rank 0: collective #\d+ ", run.stdout), run.stdout
+    # the frozen rank is named: it did not report, or reported that it had been stopped
+    assert ("ranks [1] did not report waiting" in run.stdout or "ranks [1] had been stopped" in run.stdout), run.stdout
+
+
+PEER_DIES = """
+import os, signal, numpy as np, distributed_utils as du
+b = du.initialize(); r = du.local_rank(b); n = du.total_workers(b)
+for i in range(100):
+    if r == 1 and i == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    s = du.allreduce(b, 1.0, "sum")
+    g = du.allgather(b, np.array([10 * r + i]))
+    if s != n or g.tolist() != [10 * k + i for k in range(n)]:
+        print(f"WRONG at step {i}: {s}, {g.tolist()}", flush=True)
+"""
+
+
+def test_numpy_and_number_collectives_never_return_wrong_values_after_a_peer_dies():  # d1
+    run = launch(3, "ring", ["python", "-c", PEER_DIES], timeout=60)
+    assert run.returncode == 137 and "rank 1 was killed by SIGKILL" in run.stdout, run.stdout
+    assert "WRONG" not in run.stdout, run.stdout
+
+
+FOREVER = """
+import os, sys, mlx.core as mx, distributed_utils as du
+b = du.initialize()
+open(os.path.join(sys.argv[1], f"{os.getpid()}.pid"), "w").close()
+while True:
+    du.allreduce(b, mx.ones((1024,)), "sum")
+"""
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("backend, sig", [("ring", "SIGKILL"), ("mpi", "SIGKILL"), ("ring", "SIGHUP"), ("mlx-mpi", "SIGHUP")])
+def test_ranks_end_when_the_launcher_is_killed(backend, sig, tmp_path):  # d2
+    argv = [sys.executable, "-m", "distributed_utils.launch", "-n", "2", "--backend", backend,
+            "python", "-c", FOREVER, str(tmp_path)]  # fmt: skip
+    launcher = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for the ranks' pid files, with a deadline
+    pids = [int(p.stem) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 2
+    launcher.send_signal(getattr(signal, sig))
+    launcher.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived du-launch's {sig}"
+
+
+LEAVES_EARLY = """
+import sys, mlx.core as mx, distributed_utils as du
+b = du.initialize()
+for step in range(10**6):
+    if du.local_rank(b) == 1 and step == 30:
+        sys.exit(0)
+    du.allreduce(b, mx.ones((64,)), "sum")
+"""
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_a_rank_that_leaves_early_with_code_0_is_named(backend):  # d6
+    run = launch(3, backend, ["--timeout", str(TIMEOUT), "python", "-c", LEAVES_EARLY], timeout=60)
+    assert run.returncode != 0, run.stdout
+    if backend == "ring":
+        assert "du-launch: rank 1 exited with code 0 while the others still ran: it left the job early" in run.stdout
+    else:
+        assert "ranks [1] had already finished their program: they left the job early" in run.stdout, run.stdout
+
+
+SLOW_SAVE = """
+import time, mlx.core as mx, mlx.nn as nn, distributed_utils as du
+b = du.initialize()
+write = du.checkpoint._write_buffers
+def slow(f, buffers):  # a checkpoint on slow storage: 8 pieces, 0.6 s each
+    for piece in write(f, buffers):
+        time.sleep(0.6)
+        yield piece
+du.checkpoint._write_buffers = slow
+du.checkpoint._PIECE_BYTES = 2**16
+m = nn.Linear(128, 256)
+du.save_checkpoint(b, sys.argv[1], model=m, step=1)
+print("saved", du.load_checkpoint(b, sys.argv[1], model=m)["step"], flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_a_checkpoint_that_takes_longer_than_the_timeout_is_not_a_stall(backend, tmp_path):  # d4
+    run = launch(2, backend, ["--timeout", "2", "python", "-c", "import sys\n" + SLOW_SAVE, str(tmp_path / "ck")],
+                 timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stdout
+    assert "[rank 0] saved 1" in run.stdout and "[rank 1] saved 1" in run.stdout, run.stdout
+
+
+NEVER_JOINS_TEST = """
+import time, mlx.core as mx, distributed_utils as du
+
+def test_one_rank_never_joins():
+    b = du.initialize()
+    if du.local_rank(b) == 1:
+        time.sleep(600)  # the rank that never reaches the collective (what is tested, not a wait)
+    du.allreduce(b, mx.ones((7,)), "sum")
+"""
+
+
+def test_watchdog_reports_reach_the_launcher_under_pytest_capture(tmp_path):  # #8
+    (tmp_path / "test_never_joins.py").write_text(NEVER_JOINS_TEST)
+    run = launch(2, "ring", ["--timeout", str(TIMEOUT), "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             str(tmp_path / "test_never_joins.py")], timeout=120)  # fmt: skip
+    assert run.returncode == 124, run.stdout
+    assert re.search(r"\[rank 0\] du watchdog: rank 0: collective #\d+ allreduce\(sum\) float32\(7,\)", run.stdout), run.stdout
+
+
+def test_a_ring_backend_under_plain_mpirun_is_a_clear_error():  # #10
+    from distributed_utils.launch import find_mpirun
+
+    code = "import distributed_utils as du; du.initialize(du.RingBackend)"
+    argv = [find_mpirun(), "-n", "2", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    run = subprocess.run(argv + [sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert "mpirun started 2 processes but this backend sees a world of 1" in run.stdout + run.stderr, run.stdout + run.stderr
+
+
+def test_mlx_mpi_under_plain_mpirun_finds_the_mpi_library_itself():  # #10
+    from distributed_utils.launch import find_mpirun
+
+    code = "import distributed_utils as du; b = du.initialize(du.MLXMPIBackend); print('world', b.size)"
+    argv = [find_mpirun(), "-n", "2", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    env = {k: v for k, v in os.environ.items() if k != "MLX_MPI_LIBNAME"}
+    run = subprocess.run(argv + [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 0 and run.stdout.count("world 2") == 2, run.stdout + run.stderr
+
+
+# --- restarts -----------------------------------------------------------------------------------
+
+FAILS_ON_FIRST_ATTEMPTS = """
+import os, sys, distributed_utils as du
+b = du.initialize()
+attempt = int(os.environ["DU_RESTART"])
+print(f"attempt {attempt} job {os.environ['DU_JOB_ID'][:8]}", flush=True)
+if du.local_rank(b) == 1 and attempt < int(sys.argv[1]):
+    print("rank 1 gives up", flush=True)
+    sys.exit(3)
+du.barrier(b)
+"""
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_max_restarts_restarts_the_whole_job_and_names_the_cause(backend):
+    run = launch(2, backend, ["--max-restarts", "2", "python", "-c", FAILS_ON_FIRST_ATTEMPTS, "2"], timeout=180)
+    assert run.returncode == 0, run.stdout
+    for attempt in (1, 2):
+        assert re.search(rf"du-launch: attempt {attempt} failed: rank 1 on 127\.0\.0\.1 exited with code 3; "
+                         r"its last lines:\n(    .*\n)*    rank 1 gives up\n", run.stdout), run.stdout  # fmt: skip
+        assert f"restarting the job: attempt {attempt + 1} of 3 (DU_RESTART={attempt})" in run.stdout
+    jobs = set(re.findall(r"\[rank 0\] attempt \d job (\w+)", run.stdout))
+    assert len(jobs) == 3, run.stdout  # a fresh job id (and ports) for every attempt
+
+
+def test_max_restarts_gives_up_with_the_last_failure():
+    run = launch(2, "ring", ["--max-restarts", "1", "python", "-c", FAILS_ON_FIRST_ATTEMPTS, "5"], timeout=120)
+    assert run.returncode == 3, run.stdout
+    assert "attempt 2 failed: rank 1 on 127.0.0.1 exited with code 3" in run.stdout, run.stdout
+    assert "restarting the job: attempt 3" not in run.stdout, run.stdout
+
+
+RESUME = str(ROOT / "tests" / "programs" / "resume.py")
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_a_crashed_job_restarts_resumes_and_ends_bit_identical(backend, tmp_path):
+    whole = launch(2, backend, ["python", RESUME, str(tmp_path / "whole"), str(tmp_path / "ck-whole")], timeout=120)
+    assert whole.returncode == 0, whole.stdout
+    steps = int(re.search(r"done at step (\d+)", whole.stdout).group(1))
+    run = launch(2, backend, ["--max-restarts", "1", "python", RESUME, str(tmp_path / "restarted"),
+                              str(tmp_path / "ck"), "--die-at", "13"], timeout=180)  # fmt: skip
+    assert run.returncode == 0, run.stdout
+    assert "attempt 1 failed: rank 1 on 127.0.0.1 was killed by SIGKILL" in run.stdout, run.stdout
+    assert "[rank 0] resumed at step 10, epoch 0" in run.stdout and "[rank 1] resumed at step 10, epoch 0" in run.stdout
+    kept = [f"step-{s:012d}.safetensors" for s in range(5, steps + 1, 5)][-2:]  # keep=2 of every 5th step
+    assert f"[rank 0] done at step {steps}; checkpoints kept: {kept}" in run.stdout, run.stdout
+    a, b = mx.load(str(tmp_path / "whole.safetensors")), mx.load(str(tmp_path / "restarted.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert mx.array_equal(a[key], b[key]).item(), key

@@ -9,6 +9,8 @@ Set by ``du-launch`` for every rank (``job_environment``):
     DU_JOB_ID        unique per job and attempt: ranks of two jobs that cross-connect fail
     DU_RESTART       the attempt, 0 for the first (``--max-restarts``)
     DU_TIMEOUT       the watchdog's timeout in seconds (``--timeout``); DU_DEBUG=1 (``--debug``)
+    DU_REPORT_DIR    where a rank's watchdog also writes its report (``rank-R.report``), for the
+                     launcher to print when the rank's own output was lost
     MLX_RANK, MLX_HOSTFILE   the ring's rank and its JSON list of addresses (ring only)
     MLX_MPI_LIBNAME  the real libmpi for MLX's MPI backend (on Linux the wheel's ``libmpi.so``
                      is a linker script: without this every rank silently runs a world of one)
@@ -30,9 +32,10 @@ from .base import BackendUnavailableError
 # --- the launcher's side -------------------------------------------------------------
 
 
-def job_environment(backend: str, world_size: int, timeout=None, debug=False, restart=0) -> dict:
+def job_environment(backend: str, world_size: int, report_dir: str, timeout=None, debug=False, restart=0) -> dict:
     """What every rank's environment gets on top of the launcher's own."""
     env = {
+        "DU_REPORT_DIR": report_dir,
         **{k: os.environ[k] for k in ("DU_TIMEOUT", "DU_DEBUG") if k in os.environ},
         "DU_BACKEND": backend,
         "DU_WORLD_SIZE": str(world_size),
@@ -76,6 +79,10 @@ def launched_backend_name():
     return "mpi" if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ else None
 
 
+def launcher_name() -> str:
+    return "du-launch" if "DU_BACKEND" in os.environ else "mpirun"
+
+
 def launched_rank() -> str:
     """This process's rank as the launcher set it (before any backend knows it), or "?"."""
     for key in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
@@ -84,10 +91,18 @@ def launched_rank() -> str:
     return "?"
 
 
+def report_path():
+    """Where this rank's watchdog also writes its report, or None."""
+    folder = os.environ.get("DU_REPORT_DIR")
+    return None if not folder else os.path.join(folder, f"rank-{launched_rank()}.report")
+
+
 def expected_world_size():
-    """The number of processes the launcher started, or None."""
-    size = os.environ.get("DU_WORLD_SIZE")
-    return None if size is None else int(size)
+    """The number of processes the launcher (du-launch, or mpirun) started, or None."""
+    for key in ("DU_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return None
 
 
 def job_id():
@@ -148,6 +163,16 @@ def libmpi_path():
     return None
 
 
+def mlx_mpi_available() -> bool:
+    """Whether MLX can load an MPI library. Points MLX_MPI_LIBNAME at the real libmpi first:
+    MLX looks once, at the first question, and the wheel's ``libmpi.so`` is a linker script."""
+    import mlx.core as mx
+
+    if "MLX_MPI_LIBNAME" not in os.environ and libmpi_path() is not None:
+        os.environ["MLX_MPI_LIBNAME"] = libmpi_path()
+    return mx.distributed.is_available("mpi")
+
+
 _mlx_mpi_started = False
 
 
@@ -164,10 +189,12 @@ def start_mlx_mpi():
 
     if _mlx_mpi_started or not launched_by_mpirun():
         return
-    if "MLX_MPI_LIBNAME" not in os.environ:
-        if libmpi_path() is None:
-            raise BackendUnavailableError("MLX's MPI backend: no libmpi found; set MLX_MPI_LIBNAME")
-        os.environ["MLX_MPI_LIBNAME"] = libmpi_path()
+    if not mlx_mpi_available():
+        raise BackendUnavailableError(
+            "MLX's MPI backend cannot load an MPI library: "
+            + (f"MLX_MPI_LIBNAME={os.environ['MLX_MPI_LIBNAME']} did not load" if "MLX_MPI_LIBNAME" in os.environ
+               else "none found; set MLX_MPI_LIBNAME to your MPI's libmpi")
+        )  # fmt: skip
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized():
         raise BackendUnavailableError(

@@ -27,7 +27,7 @@ class MLXBackend(AbstractBackend):
         cls = type(self).__name__
         if not self.mlx_name:
             raise TypeError(f"{cls} is abstract: use RingBackend, MLXMPIBackend, NCCLBackend or JACCLBackend")
-        if not mx.distributed.is_available(self.mlx_name):
+        if not (environment.mlx_mpi_available() if self.mlx_name == "mpi" else mx.distributed.is_available(self.mlx_name)):
             raise BackendUnavailableError(
                 f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' backend; {self.requires}"
             )

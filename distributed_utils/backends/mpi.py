@@ -22,7 +22,7 @@ class MPIBackend(AbstractBackend):
     launch_name = "mpi"
 
     def __init__(self, comm=None):
-        if mx.distributed.is_available("mpi"):
+        if environment.mlx_mpi_available():
             try:  # first, so that MLXMPIBackend can still start in this process afterwards
                 environment.start_mlx_mpi()
             except BackendUnavailableError:

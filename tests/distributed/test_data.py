@@ -262,3 +262,27 @@ def test_data_of_different_lengths_on_different_ranks_fails_on_every_rank(backen
         return
     with pytest.raises(ValueError, match=r"lengths differ \(rank 0: 10, rank 1: 11"):
         du.DistributedDataContainer(backend, list(range(10 + rank)))
+
+
+def test_state_dict_resumes_exactly_where_the_batches_stopped(backend):
+    data = du.DistributedDataContainer(backend, np.arange(50))
+    everything = [b.tolist() for b in data.batches(4, shuffle=True, seed=3, epoch=2)]
+    assert data.state_dict()["epoch"] == 3 and data.state_dict()["batches"] == 0  # read to its end
+    first = data.batches(4, shuffle=True, seed=3, epoch=2)
+    seen = [next(first).tolist() for _ in range(3)]
+    state = data.state_dict()
+    assert state == {"epoch": 2, "batches": 3, "world_size": du.total_workers(backend)}
+    resumed = du.DistributedDataContainer(backend, np.arange(50))
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 2
+    rest = [b.tolist() for b in resumed.batches(4, shuffle=True, seed=3, epoch=resumed.epoch)]
+    assert seen + rest == everything
+    assert [b.tolist() for b in resumed.batches(4, shuffle=True, seed=3, epoch=2)] == everything  # once only
+
+
+def test_resuming_mid_epoch_at_another_world_size_is_a_clear_error(backend):
+    data = du.DistributedDataContainer(backend, np.arange(50))
+    with pytest.raises(ValueError, match="resuming mid-epoch needs the same world size"):
+        data.load_state_dict({"epoch": 1, "batches": 2, "world_size": du.total_workers(backend) + 1})
+    data.load_state_dict({"epoch": 4, "batches": 0, "world_size": du.total_workers(backend) + 1})  # a boundary
+    assert data.epoch == 4
