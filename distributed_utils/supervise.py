@@ -154,17 +154,16 @@ def supervise(procs, world_size, tagged=False, report_dir=None):
     """Wait for every process; when one fails, stop the rest. Returns (exit code, Report,
     Failure or None). ``tagged``: ``procs`` is one mpirun, which stops the ranks itself."""
     report = Report(world_size)
-    readers = [
-        threading.Thread(target=forward, args=(stream, out, report, None if tagged else rank), daemon=True)
-        for rank, p in enumerate(procs)
-        for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer))
-    ]  # fmt: skip
-    for t in readers:
-        t.start()
+    readers = {}  # rank (0 for mpirun) -> the threads reading its output
+    for rank, p in enumerate(procs):
+        for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
+            t = threading.Thread(target=forward, args=(stream, out, report, None if tagged else rank), daemon=True)
+            t.start()
+            readers.setdefault(rank, []).append(t)
     stop_on_signals(procs)
-    failure = wait_mpirun(procs[0], report) if tagged else wait_ranks(procs, report)
+    failure = wait_mpirun(procs[0], report) if tagged else wait_ranks(procs, report, readers)
     deadline = time.monotonic() + GRACE_SECONDS  # for the output still in the pipes
-    for t in readers:  # (a process left on a lost host may hold them open)
+    for t in [t for ts in readers.values() for t in ts]:  # (a process on a lost host may hold them open)
         t.join(timeout=max(0, deadline - time.monotonic()))
     show_lost_reports(report, report_dir)
     if report.watchdog:
@@ -172,7 +171,7 @@ def supervise(procs, world_size, tagged=False, report_dir=None):
     return (0 if failure is None else failure.code), report, failure
 
 
-def wait_ranks(procs, report):
+def wait_ranks(procs, report, readers):
     """The ring's processes, one per rank: wait until all exit 0 (None), or one fails: then let
     the others that fail with it settle, name the cause, stop the rest (a Failure)."""
     exits = []  # (rank, code), in the order the launcher saw them
@@ -192,10 +191,13 @@ def wait_ranks(procs, report):
             return None
         exited.wait_for(lambda: len(exits) == len(procs), timeout=SETTLE_SECONDS)
     failures = [(r, c) for r, c in exits if c]
+    deadline = time.monotonic() + SETTLE_SECONDS  # their last words say whether they only lost a peer
+    for t in [t for r, _ in failures for t in readers[r]]:
+        t.join(timeout=max(0, deadline - time.monotonic()))
     # Ranks that exit within a few ms of each other are reaped in any order: the cause is the
     # first one that did not merely lose a peer; if they all did, a rank that left early.
     cause = next((f for f in failures if f[0] not in report.peer_lost), None)
-    early = [r for r, c in exits if c == 0 and exits.index((r, c)) < exits.index(failures[0])]
+    early = [r for r, c in exits if c == 0]  # (reaped in any order too)
     if cause is None and early:
         log(f"rank {early[0]} exited with code 0 while the others still ran: it left the job early "
             f"(ranks {sorted(report.peer_lost)} lost it as a peer); stopping the other ranks")  # fmt: skip
