@@ -10,7 +10,7 @@ prod gathers and multiplies.
 import mlx.core as mx
 
 from . import environment
-from ..arrays import UINT_BY_SIZE, is_floating
+from ..arrays import UINT_BY_SIZE
 from .base import AbstractBackend, BackendUnavailableError
 
 _REDUCE = {"sum": mx.distributed.all_sum, "max": mx.distributed.all_max, "min": mx.distributed.all_min}
