@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .api import check_backend, allgather, bcast, root_runs
 from .arrays import UINT_BY_SIZE, show, to_mx
+from .optimizer import DistributedOptimizer
 from .synchronize import has_state, synchronize
 from .tree import describe
 
@@ -55,7 +56,8 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
     are removed; ``load_checkpoint(backend, path)`` loads the newest.
 
     ``model``: an ``nn.Module`` (all its parameters); ``optimizer``: an ``mlx.optimizers``
-    optimizer or ``du.DistributedOptimizer`` (its ``state``); ``data``: your position in the
+    optimizer or ``du.DistributedOptimizer`` (its state; a sharded one's is gathered whole, so
+    it loads into any world size, sharded or not); ``data``: your position in the
     data as a JSON value (e.g. ``{"epoch": 3, "batch": 120}``), or an object with
     ``state_dict()`` and ``load_state_dict()``; ``step`` and ``extra``: JSON values. Every
     rank's ``mx.random`` state is saved too. Returns once ``path`` holds the new checkpoint.
@@ -70,7 +72,7 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
     if model is not None:
         arrays.update(_flat("model", model.parameters()))
     if optimizer is not None:
-        arrays.update(_flat("optimizer", optimizer.state))
+        arrays.update(_flat("optimizer", _whole_state(optimizer)))
     meta = {
         "format": FORMAT, "step": step, "extra": extra, "world_size": backend.size,
         "data": data.state_dict() if hasattr(data, "state_dict") else data,
@@ -118,7 +120,9 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     ``keep``) and broadcasts it. ``model`` gets the saved parameters in place,
     ``optimizer`` the saved state, ``data`` (if it has ``load_state_dict``) its state, and each
     rank its own random state (when the world size is the one saved). Returns
-    ``{"step", "data", "extra"}``, or None on every rank when ``path`` does not exist.
+    ``{"step", "data", "extra", "world_size"}`` (the world size that saved it: any other
+    loads too, see ``DistributedDataContainer.load_state_dict``), or None on every rank when
+    ``path`` does not exist.
     Raises CheckpointError on every rank for a file that is not a complete checkpoint, or
     does not fit ``model`` or ``optimizer``.
     """
@@ -134,7 +138,7 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     if model is not None:
         _check_fits(path, "model", entries, model.parameters())
     if optimizer is not None:  # an initialized one: its state's shapes are known
-        _check_fits(path, "optimizer", entries, optimizer.state if has_state(optimizer) else None)
+        _check_fits(path, "optimizer", entries, _whole_state(optimizer) if has_state(optimizer) else None)
     if backend.rank == 0:
         arrays = _read_arrays(Path(path), entries)
     else:
@@ -143,14 +147,16 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     mx.eval(arrays)
     if model is not None:
         model.update(tree_unflatten(_section(arrays, "model")))
-    if optimizer is not None:
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.load_whole_state(tree_unflatten(_section(arrays, "optimizer")))
+    elif optimizer is not None:
         optimizer.state = tree_unflatten(_section(arrays, "optimizer"))
     if meta["world_size"] == backend.size:
         hi, lo = arrays["rng"][backend.rank].tolist()
         mx.random.seed((hi << 32) | lo)  # seed(s) sets the key to [s >> 32, s & 0xffffffff]
     if data is not None and hasattr(data, "load_state_dict"):
         data.load_state_dict(meta["data"])
-    return {"step": meta["step"], "data": meta["data"], "extra": meta["extra"]}
+    return {"step": meta["step"], "data": meta["data"], "extra": meta["extra"], "world_size": meta["world_size"]}
 
 
 # --- the file -------------------------------------------------------------------------------
@@ -306,6 +312,11 @@ def _check_fits(path, section, entries, tree):
         f"load_checkpoint: {path} does not fit the {section}: at '{key}' the checkpoint has "
         f"{shown(saved.get(key))} and the {section} {shown(have.get(key))}"
     )
+
+
+def _whole_state(optimizer) -> dict:
+    """The optimizer's state, per parameter (collective for a sharded DistributedOptimizer)."""
+    return optimizer.whole_state() if isinstance(optimizer, DistributedOptimizer) else optimizer.state
 
 
 def _optimizer_name(optimizer) -> str:

@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import operator
 import sys
+import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -40,18 +41,43 @@ def batch_count(n: int, world_size: int, batch_size: int, drop_last: bool) -> in
     return -(-samples_per_rank(n, world_size, batch_size, drop_last) // batch_size)
 
 
-def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False):
-    """The global indices rank visits in this epoch, in order (``samples_per_rank`` of them).
+def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=()):
+    """The global indices rank visits in this epoch, in order.
 
     The epoch's order is ``range(n)``, or with ``shuffle`` one permutation drawn from
     ``np.random.default_rng((seed, epoch))``, the same on every rank. Rank r reads that order
-    from the start of its shard, wrapping around the end: without ``drop_last`` a rank whose
-    shard is one item short repeats the next item (the first rank's for the last rank)."""
-    start, _ = shard_bounds(n, world_size, rank)
-    positions = (start + np.arange(samples_per_rank(n, world_size, batch_size, drop_last))) % n
+    from the start of its shard, wrapping around the end (``samples_per_rank`` items): without
+    ``drop_last`` a rank whose shard is one item short repeats the next item (the first rank's
+    for the last rank).
+
+    ``done``: the parts of this epoch that earlier runs visited before a restart at another
+    world size, as ``(world_size, batch_size, batches)``; their items are left out, and the
+    rest of the epoch, in the same order, is sharded as above."""
+    left = remaining_positions(n, done)
+    positions = left[_share(len(left), world_size, rank, batch_size, drop_last)]
     if not shuffle:
         return positions
     return np.random.default_rng((seed, epoch)).permutation(n)[positions]
+
+
+def remaining_positions(n: int, done=()) -> np.ndarray:
+    """The positions in an epoch's order of ``n`` items not yet visited after the ``done``
+    parts ``(world_size, batch_size, batches)``, each run on what the parts before it left."""
+    left = np.arange(n)
+    for world_size, batch_size, batches in done:
+        visited = np.zeros(len(left), bool)
+        for rank in range(world_size):  # (the first batches of a share are the same with drop_last)
+            visited[_share(len(left), world_size, rank, batch_size, False)[: batches * batch_size]] = True
+        left = left[~visited]
+    return left
+
+
+def _share(m, world_size, rank, batch_size, drop_last) -> np.ndarray:
+    """Which of ``m`` positions rank visits, in order: its shard's, wrapping around the end."""
+    if m == 0:
+        return np.arange(0)
+    start, _ = shard_bounds(m, world_size, rank)
+    return (start + np.arange(samples_per_rank(m, world_size, batch_size, drop_last))) % m
 
 
 class DistributedDataContainer:
@@ -74,8 +100,9 @@ class DistributedDataContainer:
         self.world_size = total_workers(backend)
         self.data = data
         self.epoch = 0
-        self._done = 0  # batches handed out in self.epoch (by the last batches())
-        self._resume = None  # (epoch, batches done) from load_state_dict, for the next batches()
+        self._part = (self.world_size, None, 0)  # this epoch's batches() so far: (world size, batch size, batches)
+        self._before = []  # the parts of this epoch run before a restart at another world size or batch size
+        self._resume = None  # load_state_dict's state, for the next batches()
         self._columns = _as_columns(data, self._label)  # None unless data is a tuple or dict of columns
         self._n = _length(data, self._columns, self._label)
         self._check_same_length_everywhere()
@@ -131,22 +158,48 @@ class DistributedDataContainer:
     def state_dict(self) -> dict:
         """Where the job is in the data, the same on every rank: the epoch, and the batches of
         it that ``batches()`` handed out (a batch counts once it is handed out; an epoch read
-        to its end is the next epoch at 0). For ``save_checkpoint(data=container)``."""
-        return {"epoch": self.epoch, "batches": self._done, "world_size": self.world_size}
+        to its end is the next epoch at 0), with the world size and batch size they had. For
+        ``save_checkpoint(data=container)``."""
+        if self._resume is not None:  # loaded, and not yet resumed by batches()
+            return {"before": [], "batch_size": None, **self._resume}
+        world_size, batch_size, batches = self._part
+        return {"epoch": self.epoch, "batches": batches, "world_size": world_size, "batch_size": batch_size,
+                "before": [list(part) for part in self._before]}  # fmt: skip
 
     def load_state_dict(self, state: dict):
         """Resume from ``state_dict()``: ``self.epoch`` becomes the saved epoch, and the next
-        ``batches()`` of that epoch (given no ``start``) skips the batches already done.
-        Mid-epoch, the world size must be the saved one; at an epoch boundary any will do."""
-        epoch, done = operator.index(state["epoch"]), operator.index(state["batches"])
-        if done and state["world_size"] != self.world_size:
+        ``batches()`` of that epoch (given no ``start``) visits only what the epoch has not
+        visited yet. With the saved world size and batch size it skips the batches already
+        done; with others, the items not yet visited are sharded anew over this job's ranks
+        (the rest of the epoch is still visited exactly once; the global batch changes)."""
+        epoch, batches = operator.index(state["epoch"]), operator.index(state["batches"])
+        if batches and state.get("batch_size") is None and state["world_size"] != self.world_size:
             raise ValueError(
                 f"{self._label}: the data position was saved by {state['world_size']} ranks in the middle of "
-                f"epoch {epoch} ({done} batches); resuming mid-epoch needs the same world size "
-                f"(this job has {self.world_size}): resume with {state['world_size']} ranks, or from a "
-                "checkpoint saved at the end of an epoch"
+                f"epoch {epoch} ({batches} batches) by an older version, without its batch size; resume with "
+                f"{state['world_size']} ranks, or from a checkpoint saved at the end of an epoch"
             )
-        self.epoch, self._done, self._resume = epoch, done, (epoch, done)
+        self.epoch, self._resume = epoch, state
+
+    def _resumed_parts(self, epoch, batch_size):
+        """(the parts of ``epoch`` already done, the batches to skip in this part) after
+        ``load_state_dict``: a part saved with another world size or batch size is done."""
+        state, self._resume = self._resume, None
+        if state is None or state["epoch"] != epoch:
+            return [], 0
+        before = [tuple(map(operator.index, part)) for part in state.get("before", [])]
+        world_size, saved_batch, batches = state["world_size"], state.get("batch_size"), state["batches"]
+        if batches == 0 or (saved_batch in (None, batch_size) and world_size == self.world_size):
+            return before, batches
+        if self.rank == 0:
+            warnings.warn(
+                f"{self._label}: epoch {epoch} was saved after {batches} batches of {saved_batch} items on each of "
+                f"{world_size} ranks (global batch {world_size * saved_batch}); its items not yet visited are "
+                f"sharded anew over {self.world_size} ranks with batches of {batch_size} (global batch "
+                f"{self.world_size * batch_size})",
+                stacklevel=3,
+            )
+        return [*before, (world_size, saved_batch, batches)], 0
 
     def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=None):
         """Yields this rank's batches for one epoch: mx.arrays stacked along a new first axis
@@ -161,7 +214,9 @@ class DistributedDataContainer:
         ``P * batch_size - 1`` items are skipped). ``shuffle`` draws one global permutation
         from ``(seed, epoch)``, the same on every rank, then shards it; ``epoch`` defaults to
         the one from ``set_epoch`` (or ``load_state_dict``). ``start`` skips the first ``start``
-        batches; by default, after ``load_state_dict``, the batches already done.
+        batches; by default, after ``load_state_dict``, the batches already done (or, when they
+        were done at another world size or batch size, the epoch is what they left: its
+        items not yet visited, sharded the same way).
 
         Collective: every rank checks that all ranks passed the same arguments (one small
         allgather), and raises ValueError on every rank otherwise (different batch sizes would
@@ -171,33 +226,33 @@ class DistributedDataContainer:
         be read once. ``shuffle`` needs sized data."""
         batch_size = self._batch_size(batch_size)
         epoch = self.epoch if epoch is None else operator.index(epoch)
-        if start is None:
-            start = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
-        start = operator.index(start)
-        self._resume = None
+        before, skip = self._resumed_parts(epoch, batch_size)
+        start = skip if start is None else operator.index(start)
         self._check_same_everywhere(batch_size=batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
                                     drop_last=drop_last, start=start)  # fmt: skip
         if self.is_stream:
             if shuffle:
                 raise ValueError(f"{self._label}: cannot shuffle a stream (data of unknown length)")
-            return self._counted(epoch, start, self._stream_batches(batch_size, drop_last, start))
-        total = self.num_batches(batch_size, drop_last=drop_last)
-        if not 0 <= start <= total:
-            raise ValueError(f"{self._label}: start={start} is not in 0..{total} (batches per epoch)")
+            skipped = sum(p * b * k for p, b, k in before)  # a stream's first items went to the parts before
+            return self._counted(epoch, before, batch_size, start,
+                                 self._stream_batches(batch_size, drop_last, skipped, start))  # fmt: skip
         order = epoch_indices(
             self._n, self.world_size, self.rank, batch_size,
-            shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last,
+            shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last, done=before,
         )  # fmt: skip
+        total = -(-len(order) // batch_size)
+        if not 0 <= start <= total:
+            raise ValueError(f"{self._label}: start={start} is not in 0..{total} (batches in this epoch)")
         batches = (self._fetch(order[b : b + batch_size]) for b in range(start * batch_size, len(order), batch_size))
-        return self._counted(epoch, start, batches)
+        return self._counted(epoch, before, batch_size, start, batches)
 
-    def _counted(self, epoch, start, batches):
+    def _counted(self, epoch, before, batch_size, start, batches):
         """``batches``, keeping ``state_dict`` up to date as they are handed out."""
-        self.epoch, self._done = epoch, start
+        self.epoch, self._before, self._part = epoch, before, (self.world_size, batch_size, start)
         for batch in batches:
-            self._done += 1
+            self._part = (self.world_size, batch_size, self._part[2] + 1)
             yield batch
-        self.epoch, self._done = epoch + 1, 0
+        self.epoch, self._before, self._part = epoch + 1, [], (self.world_size, batch_size, 0)
 
     def _check_same_everywhere(self, **arguments):
         # seed: any value numpy's default_rng takes; compared by a 62-bit digest of its repr
@@ -210,8 +265,8 @@ class DistributedDataContainer:
                 shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
                 raise ValueError(f"{self._label}: batches() needs the same {name} on every rank ({shown})")
 
-    def _stream_batches(self, batch_size, drop_last, start):
-        items = iter(self)
+    def _stream_batches(self, batch_size, drop_last, skipped, start):
+        items = itertools.islice(iter(self.data), skipped + self.rank, None, self.world_size)
         for _ in itertools.islice(items, start * batch_size):  # skipped locally: a rank that
             pass  # runs dry here brings 0 to the first allreduce below, which stops every rank
         while True:

@@ -34,9 +34,11 @@ DEFAULT_REMOTE_SHELL = "ssh {host}"
 
 def main(argv=None):
     args = parse_args(argv)
-    hosts = read_hostfile(args.hostfile, args.n) if args.hostfile else ["127.0.0.1"] * args.n
+    every_host = read_hostfile(args.hostfile, args.n) if args.hostfile else ["127.0.0.1"] * args.n
+    if (args.min_ranks or 0) > len(every_host):
+        raise SystemExit(f"du-launch: --min-ranks {args.min_ranks} is more than the job's {len(every_host)} ranks")
     for attempt in range(args.max_restarts + 1):
-        check_reachable(hosts, args.remote_shell)
+        hosts = reachable(every_host, args.remote_shell, args.min_ranks)  # a host lost may come back
         with tempfile.TemporaryDirectory(prefix="du-reports-") as report_dir:
             env = job_environment(args.backend, len(hosts), report_dir, args.timeout, args.debug, attempt)
             if args.backend == "ring":
@@ -78,6 +80,11 @@ def parse_args(argv):
         "--max-restarts", type=int, default=0, metavar="K",
         help="after a failure, stop every rank and start the whole job again, up to K times (DU_RESTART: the attempt)",
     )  # fmt: skip
+    p.add_argument(
+        "--min-ranks", type=int, metavar="M",
+        help="start (or restart) without the ranks of hosts that cannot be reached, if at least M ranks are left "
+        "(default: every rank or none)",
+    )  # fmt: skip
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program every rank runs")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -92,6 +99,8 @@ def parse_args(argv):
         p.error(f"--port must be a port number, got {args.port}")
     if args.port is not None and args.backend != "ring":
         p.error("--port is for --backend ring (mpirun chooses its own ports)")
+    if args.min_ranks is not None and args.min_ranks < 1:
+        p.error(f"--min-ranks must be at least 1, got {args.min_ranks}")
     if args.max_restarts < 0:
         p.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.timeout is not None and not args.timeout >= 0:
@@ -125,9 +134,26 @@ def read_hostfile(path, n):
     return [hosts[i % len(hosts)] for i in range(n)]
 
 
-def check_reachable(hosts, remote_shell):
-    """Exit with a clear error unless every host that is not this machine runs ``true``
-    through the remote shell within PROBE_SECONDS (instead of a job that hangs connecting)."""
+def reachable(hosts, remote_shell, min_ranks=None) -> list:
+    """``hosts`` (one per rank) without those that do not run ``true`` through the remote shell
+    within PROBE_SECONDS, if at least ``min_ranks`` ranks are left; else exit with a clear
+    error (rather than a job that hangs connecting)."""
+    errors = unreachable(hosts, remote_shell)
+    left = [h for h in hosts if h not in errors]
+    for host, reason in errors.items():
+        ranks = [r for r, h in enumerate(hosts) if h == host]
+        problem = f"host {host} (ranks {ranks}) is unreachable: `{remote_shell.format(host=host)} true` failed: {reason}"
+        if min_ranks is None or len(left) < min_ranks:
+            limit = "" if min_ranks is None else f"; {len(left)} ranks would be left, fewer than --min-ranks {min_ranks}"
+            raise SystemExit(f"du-launch: {problem}{limit}")
+        log(f"{problem}; going on without it")
+    if errors:
+        log(f"starting {len(left)} ranks instead of {len(hosts)} (--min-ranks {min_ranks})")
+    return left
+
+
+def unreachable(hosts, remote_shell) -> dict:
+    """{host: why} for each host that is not this machine and cannot be reached, probed at once."""
     remote = [h for h in dict.fromkeys(hosts) if not is_local(resolve(h))]
     errors = {}
 
@@ -147,12 +173,7 @@ def check_reachable(hosts, remote_shell):
         t.start()
     for t in threads:
         t.join()
-    for host, reason in errors.items():
-        ranks = [r for r, h in enumerate(hosts) if h == host]
-        raise SystemExit(
-            f"du-launch: host {host} (ranks {ranks}) is unreachable: "
-            f"`{remote_shell.format(host=host)} true` failed: {reason}"
-        )
+    return errors
 
 
 # --- ring: the launcher starts every process itself ------------------------------------

@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten, tree_map
 from .api import allgather, allreduce_arrays, total_workers
 from .arrays import UINT_BY_SIZE
 from .backends import AbstractBackend
+from .sharded import ShardedState
 from .tree import GRADIENT_BUCKET_BYTES, buckets, describe, pack, unpack, verify_same_structure
 from .watchdog import evaluate
 
@@ -109,6 +110,13 @@ class DistributedOptimizer(optim.Optimizer):
             (``apply_gradients`` returns the parameters). The count lives in Python, so keep
             ``update`` out of ``mx.compile`` then. Default 1.
         compression, bucket_bytes: as for ``reduce_gradients``.
+        shard_optimizer_state: True keeps on each rank the optimizer state of its share (1/N)
+            of the parameters (ZeRO stage 1, see ``sharded.py``): the gradients are
+            reduce-scattered, each rank updates its share, and the parameters are all-gathered.
+            ``state`` then holds this rank's part, flat per dtype; checkpoints hold the whole
+            state (``whole_state``), and load into any world size, sharded or not. For
+            optimizers that work element by element (SGD, Adam, AdamW, Lion, RMSprop, Adagrad,
+            AdaDelta, Adamax); others are a ValueError. Default False.
 
     Example: clip the averaged gradients before the rule::
 
@@ -117,7 +125,8 @@ class DistributedOptimizer(optim.Optimizer):
         opt.optimizer.update(model, grads)
     """
 
-    def __init__(self, backend, optimizer, *, op="avg", accumulate_steps=1, compression=None, bucket_bytes=None):
+    def __init__(self, backend, optimizer, *, op="avg", accumulate_steps=1, compression=None, bucket_bytes=None,
+                 shard_optimizer_state=False):  # fmt: skip
         if not isinstance(backend, AbstractBackend):
             raise TypeError(f"expected a backend object (du.get_distributed_backend(...)), got {backend!r}")
         if not isinstance(optimizer, optim.Optimizer):
@@ -133,6 +142,7 @@ class DistributedOptimizer(optim.Optimizer):
         self._first = True  # no reduction yet
         self._parameters_checked = False
         self._sum, self._calls = None, 0  # the local gradient sum of this accumulation cycle
+        self.shards = ShardedState(backend, optimizer, self._sum_arrays, compression) if shard_optimizer_state else None
 
     def __getattr__(self, name):  # only for names not found on the wrapper itself
         if name == "optimizer":
@@ -160,24 +170,49 @@ class DistributedOptimizer(optim.Optimizer):
         self.optimizer.learning_rate = learning_rate
 
     def init(self, parameters):
-        """The wrapped optimizer's ``init``; local (state is not reduced: ``du.synchronize`` it)."""
-        self.optimizer.init(parameters)
+        """The wrapped optimizer's ``init`` (of this rank's share when sharded); local."""
+        if self.shards is not None:
+            self.shards.init(parameters)
+        else:
+            self.optimizer.init(parameters)
+
+    def whole_state(self) -> dict:
+        """The whole optimizer state, per parameter: ``state`` itself, or, when sharded,
+        gathered from every rank's part (collective then). What checkpoints hold."""
+        return self.state if self.shards is None else self.shards.whole_state()
+
+    def load_whole_state(self, state: dict):
+        """Set the state from ``whole_state()``'s form (when sharded, this rank takes its part)."""
+        if self.shards is None:
+            self.state = state
+        else:
+            self.shards.load_whole_state(state)
 
     def update(self, model, gradients):
         """Reduce ``gradients`` across ranks, then the wrapped optimizer updates ``model``.
         With ``accumulate_steps=k``, only the k-th call of each cycle does either."""
-        reduced = self._accumulate(gradients, model.parameters())
-        if reduced is not None:
-            model.update(self.optimizer.apply_gradients(reduced, model))
+        updated = self._step(gradients, model.parameters(), model)
+        if updated is not None:
+            model.update(updated)
 
     def apply_gradients(self, gradients, parameters):
         """The wrapped optimizer's ``apply_gradients`` on the reduced ``gradients``. With
         ``accumulate_steps=k``, the other calls return ``parameters`` (restricted to the keys
         of ``gradients``) unchanged."""
-        reduced = self._accumulate(gradients, parameters)
-        if reduced is None:
-            return tree_map(lambda _, p: p, gradients, parameters)
-        return self.optimizer.apply_gradients(reduced, parameters)
+        updated = self._step(gradients, parameters, parameters)
+        return tree_map(lambda _, p: p, gradients, parameters) if updated is None else updated
+
+    def _step(self, gradients, parameters, target):
+        """The updated parameters (``target``: what the wrapped optimizer updates, the model
+        or ``parameters``), or None while an accumulation cycle goes on."""
+        summed = self._accumulate(gradients, parameters)
+        if summed is None:
+            return None
+        total, scale = summed
+        if self.shards is not None:
+            self._first_reduction(total, "DistributedOptimizer.update(grads)")
+            return self.shards.step(total, parameters, scale / self.backend.size if self.op == "avg" else scale)
+        return self.optimizer.apply_gradients(self._reduce(total, scale, "DistributedOptimizer.update(grads)"), target)
 
     def reduce_gradients(self, gradients):
         """Collective: ``gradients`` reduced across ranks now, with this optimizer's op,
@@ -185,23 +220,32 @@ class DistributedOptimizer(optim.Optimizer):
         return self._reduce(gradients, 1.0, "DistributedOptimizer.reduce_gradients(grads)")
 
     def _reduce(self, gradients, scale, what):
+        self._first_reduction(gradients, what)
+        return reduce_gradients(self.backend, gradients, op=self.op, scale=scale, compression=self.compression,
+                                bucket_bytes=self.bucket_bytes, verify=False)  # fmt: skip
+
+    def _sum_arrays(self, arrays, scale):
+        return reduce_gradients(self.backend, arrays, op="sum", scale=scale, compression=self.compression,
+                                bucket_bytes=self.bucket_bytes, verify=False)  # fmt: skip
+
+    def _first_reduction(self, gradients, what):
+        """Before each reduction: the tree is the same on every rank (the first time, raise
+        MLX's cache limit for the gradient buffers)."""
         if self._first:
             _raise_cache_limit(4 * sum(g.nbytes for _, g in tree_flatten(gradients) if isinstance(g, mx.array)))
             self._first = False
         if self.backend.size > 1 and evaluate(gradients):  # not while MLX traces (see reduce_gradients)
             verify_same_structure(self.backend, describe(gradients), what)
-        return reduce_gradients(self.backend, gradients, op=self.op, scale=scale, compression=self.compression,
-                                bucket_bytes=self.bucket_bytes, verify=False)  # fmt: skip
 
     def _accumulate(self, gradients, parameters):
-        """The reduced gradients of this call, or None while an accumulation cycle goes on."""
+        """``(the local gradients to reduce, their scale)`` of this call, or None while an
+        accumulation cycle goes on."""
         if not self._parameters_checked and self.backend.size > 1 and evaluate(parameters):
             _check_same_parameters(self.backend, parameters)
             self._parameters_checked = True
         k = self.accumulate_steps
-        what = "DistributedOptimizer.update(grads)"
         if k == 1:
-            return self._reduce(gradients, 1.0, what)
+            return gradients, 1.0
         self._calls += 1
         total = gradients if self._sum is None else tree_map(_add, self._sum, gradients)
         if self._calls < k:
@@ -209,7 +253,7 @@ class DistributedOptimizer(optim.Optimizer):
             mx.async_eval([a for _, a in tree_flatten(total) if isinstance(a, mx.array)])  # drop the graphs
             return None
         self._sum, self._calls = None, 0
-        return self._reduce(total, 1 / k if self.op == "avg" else 1.0, what)
+        return total, 1 / k if self.op == "avg" else 1.0
 
 
 def _check_same_parameters(backend, parameters):

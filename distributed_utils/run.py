@@ -7,15 +7,21 @@ waiting for ranks that wait for it. ``du-launch`` inserts this for the MPI backe
 like ``python -m mpi4py``, but it aborts before MLX's MPI teardown can block.
 """
 
+import fcntl
+import io
 import os
 import runpy
+import shutil
+import struct
 import sys
+import termios
 import traceback
 
 
 def main(argv):
     if not argv or argv[0] in ("-h", "--help"):
         sys.exit(__doc__)
+    stdout_like_a_pipe()
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]
@@ -25,6 +31,7 @@ def main(argv):
             exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
         else:
             sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` does
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
         code = e.code
@@ -40,6 +47,25 @@ def main(argv):
         abort_mpi(130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 1)
         raise
     say_finished()
+
+
+class _Pipe(io.TextIOWrapper):
+    def isatty(self):
+        return False
+
+
+def stdout_like_a_pipe():
+    """Under mpirun a rank's stdout is a pseudo-terminal 0 columns wide: tqdm draws nothing
+    into it, and libraries that ask ``isatty()`` write terminal codes into du-launch's output,
+    which may be a log file. Make it what it is under the ring launcher: a pipe to du-launch
+    (``isatty()`` is False), as wide as ``COLUMNS`` (du-launch's terminal) or 80 columns."""
+    if not (os.environ.get("DU_JOB_ID") and os.isatty(1)):
+        return
+    columns, lines = shutil.get_terminal_size((80, 24))  # COLUMNS and LINES first
+    fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
+    old = sys.stdout
+    sys.stdout = _Pipe(old.buffer, encoding=old.encoding, errors=old.errors,
+                       line_buffering=old.line_buffering, write_through=old.write_through)  # fmt: skip
 
 
 def say_finished():

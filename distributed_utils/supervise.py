@@ -117,14 +117,18 @@ def forward(stream, out, report, rank=None):
     (mpirun's own lines have none). A carriage return ends a line too, so progress bars redraw
     in place, each with its rank."""
     last_rank, redraw = None, False  # redraw: the last piece ended with a carriage return
-    for line in _pieces(stream):
+    for line in _pieces(stream, tagged=rank is None):
         line_rank, from_rank = rank, True
         if rank is None:
             m = _TAG.match(line)
-            if m:
-                line_rank, line = int(m.group(1)), line[m.end() :]
+            if m:  # (mpirun's pseudo-terminal leaves a NUL when a rank aborts)
+                line_rank, line = int(m.group(1)), line[m.end() :].replace(b"\0", b"")
             else:  # the rest of a redrawn line, or mpirun's own
                 line_rank, from_rank = (last_rank, True) if redraw else (None, False)
+        if not line:
+            continue
+        if not line.endswith((b"\n", b"\r")):  # a last line without its end: not glued to the next
+            line += b"\n"
         if report.scan(line, line_rank, from_rank):
             prefix = b"[rank %d] " % line_rank if line_rank is not None else b""
             with _print_lock:
@@ -133,11 +137,13 @@ def forward(stream, out, report, rank=None):
         last_rank, redraw = line_rank, line.endswith(b"\r")
 
 
-def _pieces(stream):
-    """``stream``'s bytes in pieces that each end with a newline or a carriage return."""
+def _pieces(stream, tagged=False):
+    """``stream``'s bytes in pieces that each end with a newline or a carriage return (or,
+    ``tagged``, before mpirun's tag: a rank's last line may have no end), and the rest."""
+    ends = rb"(?<=\n)|(?<=\r)(?!\n)" + (rb"|(?<=.)(?=\[\d+,\d+\]<std(?:out|err)>: )" if tagged else b"")
     rest = b""
     while chunk := stream.read1(1 << 16):
-        *pieces, rest = re.split(rb"(?<=\n)|(?<=\r)(?!\n)", rest + chunk)
+        *pieces, rest = re.split(ends, rest + chunk)
         yield from pieces
     if rest:
         yield rest

@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten
 
 from .api import bcast, check_root, root_runs
 from .arrays import MX_DTYPES, UINT_BY_SIZE, bits, width
+from .optimizer import DistributedOptimizer
 from .tree import BROADCAST_BUCKET_BYTES, TreeMismatchError, buckets, describe, pack, unpack, verify_same_structure
 
 
@@ -23,7 +24,9 @@ def synchronize(backend, x, root: int = 0, *, model=None):
       BatchNorm's running statistics included) through ``update``, in place; it is returned.
     - An ``Optimizer`` gets root's ``state`` (step, learning rate, every moment), in place; it
       is returned. Its state must exist: ``opt.init(model.trainable_parameters())``, or pass
-      ``model=`` to have an uninitialized optimizer initialized from it first.
+      ``model=`` to have an uninitialized optimizer initialized from it first. A
+      ``DistributedOptimizer(shard_optimizer_state=True)``: each rank's part of the state is
+      its own (the parts differ by design); the step and learning rate come from root.
 
     Every rank must hold arrays at the same keys with the same shapes and dtypes: otherwise
     every rank raises ``TreeMismatchError`` naming the first differing key. The arrays travel
@@ -45,15 +48,20 @@ def synchronize(backend, x, root: int = 0, *, model=None):
 def _synchronize_optimizer(backend, opt, root, model, what):
     if model is not None and not has_state(opt):
         opt.init(model.trainable_parameters())
+    sharded = isinstance(opt, DistributedOptimizer) and opt.shards is not None
+    # (a sharded state's parts are the dicts of its dtype groups)
+    mine = {k: v for k, v in opt.state.items() if not isinstance(v, dict)} if sharded else opt.state
     try:
-        state = _synchronize_tree(backend, opt.state, root, what)
+        state = _synchronize_tree(backend, mine, root, what)
     except TreeMismatchError as e:
         hint = "an optimizer not yet updated needs opt.init(model.trainable_parameters()) or model=model"
         raise TreeMismatchError(f"{e}; {hint}") from None
     if not has_state(opt):  # the same on every rank: their states have the same structure
         raise ValueError(f"{what}: the state is not initialized; call opt.init(model.trainable_parameters()) "
                          "first, or pass model=model")
-    if backend.rank != root:
+    if backend.rank != root and sharded:
+        opt.state.update(state)
+    elif backend.rank != root:
         opt.state = state
     return opt
 

@@ -121,3 +121,42 @@ def test_a_hostfile_line_that_is_not_a_host_is_an_error(tmp_path):
     run = subprocess.run([sys.executable, "-m", "distributed_utils.launch", "--hostfile", str(hostfile),
                           "python", "-c", "pass"], cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert run.returncode != 0 and f"{hostfile}:1: expected 'HOST [slots=K]'" in run.stderr
+
+
+OUTPUT = """
+import os, sys
+from tqdm import tqdm
+import distributed_utils as du
+b = du.initialize()
+print("isatty", sys.stdout.isatty())
+for _ in tqdm(range(3), desc="bar", file=sys.stdout, ncols=None):
+    pass
+if du.local_rank(b) == 1:
+    print("a last line without its end", end="", flush=True)
+    raise SystemExit(3)
+du.barrier(b)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranks_write_to_a_pipe_and_their_last_lines_stay_whole(backend):
+    """Under mpirun a rank's stdout is a pseudo-terminal 0 columns wide (tqdm drew nothing, and
+    an abort left a NUL and glued du-launch's next line to the rank's last): every backend now
+    shows programs a pipe with the launcher's width, as the ring launcher always did."""
+    run = launch(2, backend, ["python", "-c", OUTPUT], timeout=120, env={"COLUMNS": "70"})
+    assert run.returncode == 3, run.stdout
+    assert "\0" not in run.stdout
+    for r in range(2):
+        assert f"[rank {r}] isatty False\n" in run.stdout, run.stdout
+        assert f"[rank {r}] bar: 100%|" in run.stdout, run.stdout
+    assert "[rank 1] a last line without its end\n" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_script_imports_the_modules_beside_it(backend, tmp_path):
+    """As `python script.py` does: the script's directory comes first on sys.path."""
+    (tmp_path / "helper.py").write_text("ANSWER = 42\n")
+    (tmp_path / "main.py").write_text("import helper\nprint('answer', helper.ANSWER)\n")
+    run = launch(2, backend, ["python", str(tmp_path / "main.py")], timeout=60)
+    assert run.returncode == 0, run.stdout
+    assert "[rank 0] answer 42" in run.stdout and "[rank 1] answer 42" in run.stdout, run.stdout

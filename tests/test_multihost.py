@@ -8,6 +8,7 @@ test's own and neither namespace has a route anywhere else.
 
 import os
 import queue
+import random
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from launching import ROOT, launch
@@ -184,3 +186,85 @@ def test_a_hostfile_with_an_unreachable_host_is_a_clear_error(hosts, backend, tm
         "du-launch: host 10.77.0.9 (ranks [1]) is unreachable: `ssh -o ConnectTimeout=2 -o BatchMode=yes "
         "10.77.0.9 true` failed: ssh: connect to host 10.77.0.9 port 22: "
     ) in run.stderr, run.stderr
+
+
+RESUME = str(ROOT / "tests" / "programs" / "resume.py")
+
+
+@pytest.mark.parametrize("backend,min_ranks", [("ring", None), ("ring", 2), ("mpi", 2)])
+def test_a_host_lost_at_a_restart_ends_the_job_unless_fewer_ranks_may_go_on(hosts, backend, min_ranks, tmp_path):
+    """Ranks 0-1 on host a, rank 2 on host b; rank 1 dies at step 13 (last checkpoint: step
+    10), and host b answers the first probe only. Without --min-ranks the restart stops with
+    the reason; with --min-ranks 2 the job goes on with 2 ranks, resuming mid-epoch."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("10.77.0.1 slots=2\n10.77.0.2 slots=1\n")
+    shell = tmp_path / "b-goes-down"
+    shell.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1 $2" = "10.77.0.2 true" ]; then\n'
+        f"  if [ -e {tmp_path}/probed ]; then echo 'ssh: connect to host 10.77.0.2 port 22: No route to host' >&2; exit 255; fi\n"
+        f"  touch {tmp_path}/probed\n"
+        f'fi\nexec {hosts.shell} "$@"\n'
+    )  # fmt: skip
+    shell.chmod(0o755)
+    allow = [] if min_ranks is None else ["--min-ranks", str(min_ranks)]
+    command = ["--max-restarts", "1", *allow, "python", RESUME, str(tmp_path / "out"), str(tmp_path / "ck"), "--die-at", "13"]
+    run = hosts.run(backend, command, hostfile=hostfile, remote_shell=f"{shell} {{host}}")
+    assert "attempt 1 failed: rank 1 on 10.77.0.1 was killed by SIGKILL" in run.stderr, run.stderr
+    lost = f"du-launch: host 10.77.0.2 (ranks [2]) is unreachable: `{shell} 10.77.0.2 true` failed: ssh: connect to host"
+    assert lost in run.stderr, run.stderr
+    if min_ranks is None:
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert "[rank 0] resumed" not in run.stdout
+        return
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "du-launch: starting 2 ranks instead of 3 (--min-ranks 2)" in run.stderr, run.stderr
+    for r in range(2):
+        assert f"[rank {r}] resumed at step 10, epoch 1, saved by 3 ranks" in run.stdout, run.stdout
+    assert "[rank 0] done at step 31;" in run.stdout, run.stdout
+
+
+FAULTS = ("kill", "stop", "raise", "exit0", "cut")
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_soak_a_job_survives_a_fault_of_every_kind_and_ends_bit_identical(hosts, backend, tmp_path, capsys):
+    """3 ranks (0-1 on host a, 2 on host b), 6 epochs, a checkpoint every 5 steps, and
+    ``--max-restarts 5``: each attempt gets one fault, of every kind in a random order, on a
+    random rank at a random later step (SOAK_SEED repeats a run). The network comes back
+    when du-launch next probes host b. The job must finish with the final parameters of the
+    uninterrupted run, bit for bit."""
+    seed = int(os.environ.get("SOAK_SEED", random.randrange(10**6)))
+    rng = random.Random(seed)
+    steps = np.cumsum([rng.randint(3, 7) for _ in FAULTS]).tolist()  # of 48 (8 per epoch)
+    plan = [(attempt, step, rng.randrange(3), kind)
+            for attempt, (step, kind) in enumerate(zip(steps, rng.sample(FAULTS, len(FAULTS))))]  # fmt: skip
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("10.77.0.1 slots=2\n10.77.0.2 slots=1\n")
+    link = f"ip -n {hosts.names[0]} link set {hosts.names[0]}"
+    shell = tmp_path / "repairing-shell"  # the netns shell; probing host b repairs the link first
+    shell.write_text(f'#!/bin/sh\nif [ "$2" = true ]; then {link} up; fi\nexec {hosts.shell} "$@"\n')
+    shell.chmod(0o755)
+
+    def train(name, launcher_options=(), options=()):
+        command = [*launcher_options, "--timeout", str(TIMEOUT), "python", RESUME, str(tmp_path / name),
+                   str(tmp_path / f"ck-{name}"), "--epochs", "6", *options]  # fmt: skip
+        return hosts.run(backend, command, timeout=300, hostfile=hostfile, remote_shell=f"{shell} {{host}}")
+
+    whole = train("whole")
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    faults = [f"--fault={a}:{s}:{r}:{k}" for a, s, r, k in plan]
+    run = train("soaked", ["--max-restarts", str(len(plan))], ["--cut", f"{link} down", *faults])
+    survived = run.stderr.count("du-launch: restarting the job")
+    summary = (f"soak on {backend} (SOAK_SEED={seed}): {len(plan)} faults injected "
+               f"({', '.join(f'{k} on rank {r} at step {s}' for _, s, r, k in plan)}); {survived} survived")  # fmt: skip
+    with capsys.disabled():
+        print(f"\n{summary}")
+    assert run.returncode == 0, f"{summary}\n{run.stdout}{run.stderr}"
+    assert survived == len(plan), f"{summary}\n{run.stderr}"
+    for _, step, rank, kind in plan:
+        assert f"[rank {rank}] fault: {kind} at step {step}" in run.stdout, f"{summary}\n{run.stdout}"
+    want, got = final_params(tmp_path / "whole"), final_params(tmp_path / "soaked")
+    assert want.keys() == got.keys()
+    for key in want:
+        assert mx.array_equal(want[key], got[key]).item(), f"{summary}: {key} differs"

@@ -411,10 +411,44 @@ def test_a_crashed_job_restarts_resumes_and_ends_bit_identical(backend, tmp_path
                               str(tmp_path / "ck"), "--die-at", "13"], timeout=180)  # fmt: skip
     assert run.returncode == 0, run.stdout
     assert "attempt 1 failed: rank 1 on 127.0.0.1 was killed by SIGKILL" in run.stdout, run.stdout
-    assert "[rank 0] resumed at step 10, epoch 0" in run.stdout and "[rank 1] resumed at step 10, epoch 0" in run.stdout
+    for r in range(2):
+        assert f"[rank {r}] resumed at step 10, epoch 0, saved by 2 ranks" in run.stdout, run.stdout
     kept = [f"step-{s:012d}.safetensors" for s in range(5, steps + 1, 5)][-2:]  # keep=2 of every 5th step
     assert f"[rank 0] done at step {steps}; checkpoints kept: {kept}" in run.stdout, run.stdout
     a, b = mx.load(str(tmp_path / "whole.safetensors")), mx.load(str(tmp_path / "restarted.safetensors"))
     assert a.keys() == b.keys()
     for key in a:
         assert mx.array_equal(a[key], b[key]).item(), key
+
+
+def test_a_job_resumes_mid_epoch_at_another_world_size(tmp_path):
+    """3 ranks die at step 13 (last checkpoint: step 10, two batches into epoch 1); 2 ranks
+    resume: the steps go on from 10, the rest of epoch 1 is visited exactly once, and the
+    new global batch is announced. Steps: 3 ranks x 4 items: 8 per epoch; the 66 items left
+    of epoch 1 over 2 ranks: 9; epoch 2 at 2 ranks: 12. The same with the optimizer state
+    sharded (saved whole by 3 ranks, split anew over 2) ends with the same parameters."""
+    for shard in (False, True):
+        run = tmp_path / ("sharded" if shard else "replicated")
+        items = run / "items"
+        (items / "3").mkdir(parents=True), (items / "2").mkdir()
+        common = [RESUME, str(run / "out"), str(run / "ck"), *(["--shard"] if shard else []), "--items"]
+        first = launch(3, "ring", ["python", *common, str(items / "3"), "--die-at", "13"], timeout=120)
+        assert first.returncode == 128 + 9, first.stdout
+        second = launch(2, "ring", ["python", *common, str(items / "2")], timeout=120)
+        assert second.returncode == 0, second.stdout
+        assert "[rank 0] resumed at step 10, epoch 1, saved by 3 ranks" in second.stdout, second.stdout
+        assert "global batch 12" in second.stdout and "global batch 8" in second.stdout, second.stdout
+        assert "[rank 0] done at step 31;" in second.stdout, second.stdout
+
+        def visited(world, epoch, steps):
+            lines = [line.split() for f in (items / world).glob("rank-*.txt") for line in f.read_text().splitlines()]
+            return [int(i) for step, e, *rest in lines if int(e) == epoch and int(step) in steps for i in rest]
+
+        before = visited("3", 1, range(9, 11))  # checkpointed at step 10; steps 11-13 were lost with the job
+        after = visited("2", 1, range(11, 20))
+        assert len(before) == 3 * 2 * 4 and not set(before) & set(after)
+        assert set(before) | set(after) == set(range(90)) and len(after) == 66
+    a = mx.load(str(tmp_path / "replicated" / "out.safetensors"))
+    b = mx.load(str(tmp_path / "sharded" / "out.safetensors"))
+    for key in a:
+        assert mx.allclose(a[key], b[key], rtol=1e-5, atol=1e-6).item(), key

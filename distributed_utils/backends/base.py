@@ -26,6 +26,8 @@ class AbstractBackend(abc.ABC):
     launch_name: str = ""
     #: This process's rank among the processes on its host; set by ``initialize``.
     node_rank: int = 0
+    #: Whether ``reduce_scatter`` is the transport's own (half an all-reduce's traffic).
+    native_reduce_scatter: bool = False
 
     @abc.abstractmethod
     def allreduce(self, arrays: list, op: str, scale: float = 1.0, in_place: bool = False) -> list:
@@ -45,6 +47,14 @@ class AbstractBackend(abc.ABC):
     @abc.abstractmethod
     def barrier(self):
         """Returns on each rank once every rank has called it."""
+
+    def reduce_scatter(self, x, scale: float = 1.0):
+        """This rank's part of the sum of every rank's ``x`` times ``scale``: ``x`` is 1-d, its
+        length a multiple of ``size``, and rank r gets elements ``r * c .. (r + 1) * c - 1``
+        (c = length / size). Here: the whole sum, then the part; a transport with a native
+        reduce-scatter overrides this and sets ``native_reduce_scatter``."""
+        c = x.shape[0] // self.size
+        return self.allreduce([x], "sum", scale)[0][self.rank * c : (self.rank + 1) * c]
 
     def __repr__(self):
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

@@ -45,6 +45,8 @@ def job_environment(backend: str, world_size: int, report_dir: str, timeout=None
         # so that `python` in the command is the interpreter that runs du-launch
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
     }
+    if os.isatty(1) and "COLUMNS" not in os.environ:  # for progress bars: the width left after "[rank R] "
+        env["COLUMNS"] = str(max(20, shutil.get_terminal_size().columns - len(f"[rank {world_size - 1}] ")))
     if timeout is not None:
         env["DU_TIMEOUT"] = str(timeout)
     if debug:

@@ -89,7 +89,19 @@ class MLXMPIBackend(MLXBackend):
         environment.start_mlx_mpi()
 
 
-class NCCLBackend(MLXBackend):
+class _NativeReduceScatter:
+    """For the transports that have ``mx.distributed.sum_scatter`` (the ring and MLX's MPI
+    raise "not supported": they sum the whole and take the part, as AbstractBackend does)."""
+
+    native_reduce_scatter = True
+
+    def reduce_scatter(self, x, scale=1.0):
+        if scale != 1.0:
+            x = x * scale
+        return mx.distributed.sum_scatter(x, group=self.group, stream=self.stream)
+
+
+class NCCLBackend(_NativeReduceScatter, MLXBackend):
     """MLX's NCCL backend for NVIDIA GPUs (the CUDA build of MLX)."""
 
     mlx_name, launch_name = "nccl", "nccl"
@@ -97,7 +109,7 @@ class NCCLBackend(MLXBackend):
     requires = "it needs the CUDA build of MLX (`pip install mlx[cuda]`) and NVIDIA GPUs"
 
 
-class JACCLBackend(MLXBackend):
+class JACCLBackend(_NativeReduceScatter, MLXBackend):
     """MLX's JACCL backend: RDMA over Thunderbolt 5 between Macs."""
 
     mlx_name, launch_name = "jaccl", "jaccl"

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import environment
-from ..arrays import contiguous_numpy, own_memory, to_mx
+from ..arrays import MX_DTYPES, contiguous_numpy, own_memory, to_mx
 from .base import AbstractBackend, BackendUnavailableError
 
 #: Sums in place go through MPI in pieces of this size (see tree.py for the sizes side by side).
@@ -65,16 +65,18 @@ class MPIBackend(AbstractBackend):
         if self.rank == root:
             self.comm.Bcast(_bytes(buf), root=root)
             return x
-        out = np.empty_like(buf)
-        self.comm.Bcast(_bytes(out), root=root)
-        return _as_dtype(to_mx(out), x.dtype)
+        out = mx.zeros(buf.shape, MX_DTYPES[buf.dtype.name])
+        if out.size:  # received straight into the result's memory
+            self.comm.Bcast(_bytes(own_memory(out)), root=root)
+        return _as_dtype(out, x.dtype)
 
     def allgather(self, x):
         _require_values([x])
         buf = contiguous_numpy(x)
-        out = np.empty((self.size,) + buf.shape, buf.dtype)
-        self.comm.Allgather(_bytes(buf), _bytes(out))
-        return _as_dtype(to_mx(out.reshape((-1,) + buf.shape[1:])), x.dtype)
+        out = mx.zeros((self.size * buf.shape[0],) + buf.shape[1:], MX_DTYPES[buf.dtype.name])
+        if out.size:  # received straight into the result's memory
+            self.comm.Allgather(_bytes(buf), _bytes(own_memory(out)))
+        return _as_dtype(out, x.dtype)
 
     def barrier(self):
         self.comm.Barrier()

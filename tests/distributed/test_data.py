@@ -3,6 +3,7 @@ runs this file; collective checks gather every rank's view and assert on the sam
 hypothesis profile of tests/conftest.py makes every rank draw the same examples."""
 
 import collections
+import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +20,36 @@ def as_list(batch):
 
 
 # ---- the pure partition functions, for many simulated world sizes ----
+
+
+@given(
+    n=st.integers(1, 150), batch=st.integers(1, 12), shuffle=st.booleans(), seed=st.integers(0, 9),
+    parts=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 12), st.floats(0, 1)), min_size=1, max_size=3),
+    world=st.integers(1, 6), drop_last=st.booleans(),
+)  # fmt: skip
+def test_an_epoch_resumed_at_other_world_sizes_visits_the_rest_exactly_once(n, batch, shuffle, seed, parts, world, drop_last):
+    """Restarts at other world sizes and batch sizes: each part visits only items no earlier
+    part visited; the last part, at ``world`` ranks, visits all that is left (drop_last:
+    all but fewer than world * batch), with equal batch counts on every rank."""
+    done, seen = [], set()
+    for world_then, batch_then, fraction in parts:
+        orders = [epoch_indices(n, world_then, r, batch_then, shuffle=shuffle, seed=seed, done=done)
+                  for r in range(world_then)]  # fmt: skip
+        batches = int(fraction * -(-len(orders[0]) // batch_then))  # stopped after this many
+        visited = {i for order in orders for i in order[: batches * batch_then].tolist()}
+        assert not visited & seen
+        seen |= visited
+        done.append((world_then, batch_then, batches))
+    orders = [epoch_indices(n, world, r, batch, shuffle=shuffle, seed=seed, drop_last=drop_last, done=done)
+              for r in range(world)]  # fmt: skip
+    assert len({len(order) for order in orders}) == 1
+    rest = np.concatenate(orders).tolist()
+    assert not set(rest) & seen
+    left = n - len(seen)
+    if drop_last:
+        assert len(set(rest)) == len(rest) and left - len(rest) < world * batch
+    else:
+        assert seen | set(rest) == set(range(n)) and len(rest) - left < world
 
 
 @given(n=st.integers(1, 300), world=st.integers(1, 40))
@@ -271,18 +302,69 @@ def test_state_dict_resumes_exactly_where_the_batches_stopped(backend):
     first = data.batches(4, shuffle=True, seed=3, epoch=2)
     seen = [next(first).tolist() for _ in range(3)]
     state = data.state_dict()
-    assert state == {"epoch": 2, "batches": 3, "world_size": du.total_workers(backend)}
+    size = du.total_workers(backend)
+    assert state == {"epoch": 2, "batches": 3, "world_size": size, "batch_size": 4, "before": []}
     resumed = du.DistributedDataContainer(backend, np.arange(50))
     resumed.load_state_dict(state)
-    assert resumed.epoch == 2
+    assert resumed.epoch == 2 and resumed.state_dict() == state  # saved again before resuming: the same
     rest = [b.tolist() for b in resumed.batches(4, shuffle=True, seed=3, epoch=resumed.epoch)]
     assert seen + rest == everything
     assert [b.tolist() for b in resumed.batches(4, shuffle=True, seed=3, epoch=2)] == everything  # once only
 
 
-def test_resuming_mid_epoch_at_another_world_size_is_a_clear_error(backend):
+def test_resuming_mid_epoch_at_another_world_size_visits_the_rest_once(backend):
+    """A position saved by a job of size + 1 ranks (simulated: the items it visited are the
+    first batches of epoch_indices at that size) resumes here: this job visits exactly the
+    items that job had not, with a warning on rank 0 that names the new global batch."""
+    rank, size = du.local_rank(backend), du.total_workers(backend)
+    saved = {"epoch": 1, "batches": 2, "world_size": size + 1, "batch_size": 3, "before": []}
+    visited = {i for r in range(size + 1) for i in epoch_indices(50, size + 1, r, 3, shuffle=True, seed=5, epoch=1)[:6]}
     data = du.DistributedDataContainer(backend, np.arange(50))
-    with pytest.raises(ValueError, match="resuming mid-epoch needs the same world size"):
+    data.load_state_dict(saved)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mine = [i for b in data.batches(4, shuffle=True, seed=5, epoch=data.epoch) for i in b.tolist()]
+    if rank == 0:
+        assert f"global batch {3 * (size + 1)}" in str(caught[0].message)
+        assert f"global batch {4 * size}" in str(caught[0].message)
+    else:
+        assert not caught
+    everyone = du.allgather(backend, mine)
+    rest = [i for items in everyone for i in items]
+    assert not set(rest) & visited
+    assert set(rest) | visited == set(range(50))
+    assert len(rest) - (50 - len(visited)) < size  # only the padding repeats
+    assert data.state_dict()["epoch"] == 2 and data.state_dict()["before"] == []
+
+
+def test_a_resharded_epoch_saved_again_keeps_what_every_part_visited(backend):
+    """Saved mid-way through a resharded epoch, the position lists both parts."""
+    size = du.total_workers(backend)
+    data = du.DistributedDataContainer(backend, np.arange(40))
+    data.load_state_dict({"epoch": 0, "batches": 1, "world_size": size + 2, "batch_size": 2, "before": []})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        next(data.batches(3))
+    assert data.state_dict() == {"epoch": 0, "batches": 1, "world_size": size, "batch_size": 3,
+                                 "before": [[size + 2, 2, 1]]}  # fmt: skip
+
+
+def test_a_stream_resumed_at_another_world_size_starts_after_the_items_taken(backend):
+    """The saved job's ranks took a stream's first world_size * batch_size * batches items."""
+    size = du.total_workers(backend)
+    data = du.DistributedDataContainer(backend, iter(range(100)))
+    data.load_state_dict({"epoch": 0, "batches": 3, "world_size": size + 1, "batch_size": 2, "before": []})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mine = [i for b in data.batches(5) for i in b.tolist()]
+    rest = sorted(i for items in du.allgather(backend, mine) for i in items)
+    taken = (size + 1) * 2 * 3
+    assert rest == list(range(taken, taken + len(rest))) and 100 - taken - len(rest) < 5 * size
+
+
+def test_an_old_position_without_a_batch_size_at_another_world_size_is_a_clear_error(backend):
+    data = du.DistributedDataContainer(backend, np.arange(50))
+    with pytest.raises(ValueError, match="without its batch size"):
         data.load_state_dict({"epoch": 1, "batches": 2, "world_size": du.total_workers(backend) + 1})
     data.load_state_dict({"epoch": 4, "batches": 0, "world_size": du.total_workers(backend) + 1})  # a boundary
     assert data.epoch == 4

@@ -1,0 +1,209 @@
+"""Sharded optimizer state (ZeRO stage 1): each rank keeps the optimizer state of its share of
+the parameters, about 1/N of it, and a step is:
+
+1. the gradients are reduced, and each rank takes its part: with the parameters laid out as
+   one flat vector per dtype, padded to a multiple of the world size, rank r owns part r.
+   Where the transport has a native reduce-scatter (NCCL, JACCL) that is one reduce-scatter;
+   elsewhere it is the usual reduction (``reduce_gradients``: in place and in pieces on MPI,
+   bucketed on the ring), then the part is sliced out: measured, Open MPI's reduce-scatter
+   takes longer than its all-reduce in pieces, and it needs a flat copy of the gradients;
+2. each rank's optimizer updates its part of the parameters, with its part of the state;
+3. the updated parts are all-gathered into the whole parameters, the same on every rank.
+
+This is exact for optimizers that work element by element (``ELEMENTWISE``): the update of
+each element depends only on that element's gradient, parameter and state, and on the step.
+"""
+
+import mlx.core as mx
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .api import allgather, reduce_scatter_sum
+
+#: Optimizers whose update is element by element: their state can be split anywhere.
+ELEMENTWISE = (optim.SGD, optim.Adam, optim.Lion, optim.RMSprop, optim.Adagrad, optim.AdaDelta, optim.Adamax)
+
+
+def check_elementwise(optimizer):
+    """Raise ValueError unless ``optimizer``'s state can be sharded element by element."""
+    if isinstance(optimizer, ELEMENTWISE) and not isinstance(optimizer, optim.MultiOptimizer):
+        return
+    why = {
+        "Adafactor": "it factors each matrix's second moment into row and column statistics",
+        "MultiOptimizer": "it picks an optimizer for each parameter by its name",
+        "Muon": "it orthogonalizes each matrix's update as a whole",
+    }.get(type(optimizer).__name__, "it is not known to update each element on its own")
+    names = ", ".join(c.__name__ for c in ELEMENTWISE) + " (and AdamW, a subclass of Adam)"
+    raise ValueError(
+        f"shard_optimizer_state=True splits the optimizer state element by element, which is exact only "
+        f"for {names}; {type(optimizer).__name__} cannot be split so: {why}. Use shard_optimizer_state=False"
+    )
+
+
+class Layout:
+    """Where each gradient leaf lies in one flat vector per dtype (in ``tree_flatten`` order),
+    padded to a multiple of the world size: rank r owns part r, ``chunk`` elements long, made
+    of pieces of the leaves it overlaps (``pieces``: key -> (group, start, stop) in the leaf)."""
+
+    def __init__(self, leaves, size, rank):
+        self.signature = [(key, a.shape, a.dtype) for key, a in leaves]
+        self.groups = {}  # dtype name -> [(key, shape, start, stop)]
+        for key, a in leaves:
+            entries = self.groups.setdefault(str(a.dtype).removeprefix("mlx.core."), [])
+            start = entries[-1][3] if entries else 0
+            entries.append((key, a.shape, start, start + a.size))
+        self.size, self.rank = size, rank
+        self.chunk = {name: -(-entries[-1][3] // size) for name, entries in self.groups.items()}
+        self.pieces = {}
+        for name, entries in self.groups.items():
+            lo, hi = rank * self.chunk[name], (rank + 1) * self.chunk[name]
+            for key, _, start, stop in entries:
+                if start < hi and lo < stop:
+                    self.pieces[key] = (name, max(lo, start) - start, min(hi, stop) - start)
+
+    def fits(self, leaves) -> bool:
+        return self.signature == [(key, a.shape, a.dtype) for key, a in leaves]
+
+    def mine(self, arrays: dict) -> dict:
+        """``{key: this rank's piece of arrays[key], flat}`` (slices: no copies)."""
+        return {key: arrays[key].reshape(-1)[a:b] for key, (_, a, b) in self.pieces.items()}
+
+    def flatten(self, arrays: dict, name: str) -> mx.array:
+        """The flat, padded vector of group ``name`` from ``arrays`` (by key)."""
+        flat = [arrays[key].reshape(-1) for key, *_ in self.groups[name]]
+        return _padded(flat, self.chunk[name] * self.size, name)
+
+    def part(self, pieces: dict, name: str) -> mx.array:
+        """This rank's part of group ``name``'s flat vector, from its pieces (``mine``'s form)."""
+        return _padded([pieces[key] for key, *_ in self.groups[name] if key in self.pieces], self.chunk[name], name)
+
+    def split(self, part: mx.array, name: str) -> dict:
+        """The pieces of this rank's ``part`` of group ``name`` (``part``'s inverse)."""
+        out, at = {}, 0
+        for key, *_ in self.groups[name]:
+            if key in self.pieces:
+                _, a, b = self.pieces[key]
+                out[key], at = part[at : at + b - a], at + b - a
+        return out
+
+    def unflatten(self, flat: mx.array, name: str) -> dict:
+        """``{key: array}`` from group ``name``'s flat vector (padded or not)."""
+        return {key: flat[start:stop].reshape(shape) for key, shape, start, stop in self.groups[name]}
+
+
+def _padded(parts, length, dtype_name) -> mx.array:
+    """``parts`` (1-d) concatenated, and zeros after them up to ``length``."""
+    pad = length - sum(p.size for p in parts)
+    if pad or not parts:
+        parts = parts + [mx.zeros((pad,), getattr(mx, dtype_name))]
+    return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+class ShardedState:
+    """The sharded update of one ``DistributedOptimizer``. Its wrapped ``optimizer`` holds the
+    state of this rank's pieces of the parameters, keyed by the parameters' names
+    (``opt.state["layers.0.weight"]["m"]``: a 1-d piece of that parameter's moment)."""
+
+    def __init__(self, backend, optimizer, reduce, compression=None):
+        """``reduce(arrays, scale)``: the sum of every rank's ``arrays`` (a list) times
+        ``scale``, as the optimizer reduces them (``reduce_gradients``)."""
+        check_elementwise(optimizer)
+        self.backend, self.optimizer, self.reduce, self.compression = backend, optimizer, reduce, compression
+        self.layout = None
+        self._pending = None  # a whole state loaded before the layout was known
+
+    def step(self, gradients, parameters, scale):
+        """Collective: the updated parameters for the keys of ``gradients`` (a tree), from the
+        sum of every rank's ``gradients`` times ``scale``."""
+        leaves = _floating_leaves(gradients, "DistributedOptimizer.update(grads)")
+        layout = self._layout(leaves)
+        # Nothing here holds the pieces while the all-gather evaluates the update: MLX can then
+        # reuse their buffers for its results (as it does for an unsharded optimizer).
+        updated = self.optimizer.apply_gradients(self._my_gradients(leaves, scale), layout.mine(dict(tree_flatten(parameters))))
+        whole = {}
+        for name in layout.groups:
+            whole.update(layout.unflatten(allgather(self.backend, layout.part(updated, name)), name))
+        return tree_unflatten([(key, whole[key]) for key, *_ in layout.signature])
+
+    def init(self, parameters):
+        """Initialize the state of this rank's pieces of ``parameters`` (a tree)."""
+        layout = self._layout(_floating_leaves(parameters, "DistributedOptimizer.init(parameters)"))
+        self.optimizer.init(layout.mine(dict(tree_flatten(parameters))))
+
+    def whole_state(self) -> dict:
+        """Collective: the state as the wrapped optimizer would hold it unsharded (per
+        parameter, nested like the parameters), gathered from every rank's pieces: what a
+        checkpoint holds."""
+        if self.layout is None or self._pending is not None:
+            return self._pending if self._pending is not None else self.optimizer.state
+        layout, state = self.layout, self.optimizer.state
+        whole = {k: v for k, v in state.items() if k not in layout.pieces}  # step, learning rate
+        per_key = {key: {} for key, *_ in layout.signature}
+        mine = {entry for key in layout.pieces for entry in state.get(key, {})}
+        entries = sorted(set().union(*allgather(self.backend, mine)))  # (a rank may hold no piece)
+        for name in layout.groups:
+            for entry in entries:
+                part = layout.part({key: s[entry] for key, s in state.items() if key in layout.pieces}, name)
+                for key, a in layout.unflatten(allgather(self.backend, part), name).items():
+                    per_key[key][entry] = a
+        return {**whole, **tree_unflatten(list(per_key.items()))}
+
+    def load_whole_state(self, state: dict):
+        """Take this rank's pieces of ``state`` (``whole_state``'s form); kept until the layout
+        is known (the first update or ``init``) when it is not yet."""
+        self._pending = state
+        if self.layout is not None:
+            self._apply_pending()
+
+    def _layout(self, leaves) -> Layout:
+        if self.layout is None:
+            self.layout = Layout(leaves, self.backend.size, self.backend.rank)
+            if self._pending is not None:
+                self._apply_pending()
+        elif not self.layout.fits(leaves):
+            raise ValueError(
+                "DistributedOptimizer(shard_optimizer_state=True): the gradient tree changed (keys, shapes or "
+                "dtypes) since the state was sharded; its pieces no longer fit. Keep the same trainable "
+                "parameters, or save a checkpoint and load it into a new DistributedOptimizer"
+            )
+        return self.layout
+
+    def _apply_pending(self):
+        state, self._pending = self._pending, None
+        mine = {k: v for k, v in state.items() if not isinstance(v, (dict, list))}  # step, learning rate
+        for key, (_, a, b) in self.layout.pieces.items():
+            mine[key] = {entry: v.reshape(-1)[a:b] for entry, v in _at(state, key).items()}
+        self.optimizer.state = mine
+
+    def _my_gradients(self, leaves, scale) -> dict:
+        """This rank's pieces of the sum of every rank's gradients times ``scale``."""
+        layout = self.layout
+        if self.backend.native_reduce_scatter:
+            grads, pieces = dict(leaves), {}
+            for name in layout.groups:
+                pieces.update(layout.split(self._reduce_scatter(layout.flatten(grads, name), scale), name))
+            return pieces
+        return layout.mine(dict(zip([key for key, _ in leaves], self.reduce([a for _, a in leaves], scale))))
+
+    def _reduce_scatter(self, flat, scale):
+        n = self.backend.size
+        if self.compression is None or flat.dtype.size <= 2:
+            return reduce_scatter_sum(self.backend, flat, scale)
+        # pre-divided by n, so that the sum of 16-bit floats cannot overflow (as reduce_gradients)
+        part = reduce_scatter_sum(self.backend, (flat * (1 / n)).astype(self.compression))
+        return (part.astype(flat.dtype) * (scale * n)).astype(flat.dtype)
+
+
+def _floating_leaves(tree, what):
+    leaves = [(key, a) for key, a in tree_flatten(tree) if isinstance(a, mx.array)]
+    for key, a in leaves:
+        if not mx.issubdtype(a.dtype, mx.inexact):
+            raise TypeError(f"{what}: '{key}' has dtype {a.dtype}; sharded state needs floating parameters")
+    return leaves
+
+
+def _at(tree, key: str):
+    """The value at ``key`` ("layers.0.weight") of a nested dict/list tree."""
+    for part in key.split("."):
+        tree = tree[int(part)] if isinstance(tree, list) else tree[part]
+    return tree
