@@ -14,6 +14,7 @@ from .api import (
     node_rank,
     reduce,
     total_workers,
+    weighted_mean,
 )
 from .backends import (
     AbstractBackend,

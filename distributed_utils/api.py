@@ -160,6 +160,16 @@ def _nan_wins(backend, a, op):
     return mx.where(out[a.size :] != 0, mx.nan, out[: a.size]).astype(a.dtype).reshape(a.shape)
 
 
+def weighted_mean(backend, value, weight) -> float:
+    """Collective: ``sum_r value_r * weight_r / sum_r weight_r`` over the ranks, on every rank,
+    in one allreduce: the loss per token over every rank's tokens, say, for logging (NaN if
+    every weight is 0). Every rank calls it; print the result on rank 0 alone (called inside
+    ``if rank == 0`` the others never join it, and the watchdog ends the job)."""
+    v, w = (float(x.item()) if isinstance(x, mx.array) else float(x) for x in (value, weight))
+    total = allreduce(backend, np.array([v * w, w]), "sum")
+    return float(total[0] / total[1]) if total[1] else float("nan")
+
+
 def reduce(backend, x, op, root: int = 0):
     """Like ``allreduce``; the result is defined on ``root`` (other ranks get it too)."""
     check_root(backend, root)

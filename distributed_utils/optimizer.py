@@ -18,7 +18,7 @@ from .tree import GRADIENT_BUCKET_BYTES, buckets, describe, pack, unpack, verify
 from .watchdog import evaluate
 
 
-def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, compression=None, bucket_bytes=None,
+def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, weight=None, compression=None, bucket_bytes=None,
                      verify=True):  # fmt: skip
     """Collective: ``gradients`` (a tree) reduced across ranks, as a tree of the same structure.
 
@@ -29,6 +29,11 @@ def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, compression=Non
             process at batch N*B) or ``"sum"``.
         scale: a factor folded into the same pass (``reduce_gradients(g, scale=1/k)`` averages
             the sum of k accumulated steps). Default 1.
+        weight: this rank's weight (a number or a 0-d mx.array, such as its count of tokens):
+            the result is the weighted mean ``sum_r weight_r * g_r / sum_r weight_r`` (op
+            "avg" only), so that with per-token-mean losses N ranks step exactly like one
+            process on the union of their tokens. The weights travel in the same collective
+            as the gradients. If every rank's weight is 0 the gradients are 0. Default None.
         compression: ``mx.bfloat16`` or ``mx.float16``: wider gradients travel in that dtype,
             pre-divided by the world size (so the sum cannot overflow), cast back after.
             MPIBackend has no 16-bit float type and sends float32 (rounding only). Default None.
@@ -42,27 +47,62 @@ def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, compression=Non
     contiguous, not sharing memory with each other): afterwards those arrays hold the result.
     In a world of one, ``gradients`` come back as they are (scaled if ``scale`` is not 1).
     """
-    n = total_workers(backend)
     what = "reduce_gradients(grads)"
     flat = [(key, g) for key, g in tree_flatten(gradients) if isinstance(g, mx.array)]
     # While MLX traces (mx.compile) nothing may talk eagerly: ranks may trace at different times.
-    if verify and n > 1 and evaluate([g for _, g in flat]):
-        verify_same_structure(backend, describe(gradients), what)
+    if verify and total_workers(backend) > 1 and evaluate([g for _, g in flat]):
+        verify_same_structure(backend, describe_reduction(gradients, weight), what)
     for key, g in flat:  # the same on every rank: the dtypes agree
         if not mx.issubdtype(g.dtype, mx.inexact):
             raise TypeError(f"{what}: gradient '{key}' has dtype {g.dtype}; gradients are floating")
-    if n == 1:
-        return gradients if scale == 1.0 else tree_map(lambda g: g * scale if isinstance(g, mx.array) else g, gradients)
-    scale = scale / n if op == "avg" else scale
     leaves = [g for _, g in flat]
+    if weight is not None:
+        if op != "avg":
+            raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {op!r}")
+        weight = as_weight(weight)
+        leaves = [g * weight.astype(g.dtype) for g in leaves]
+    it = iter(reduce_leaves(backend, leaves, op=op, scale=scale, weight=weight, compression=compression,
+                            bucket_bytes=bucket_bytes))  # fmt: skip
+    return tree_map(lambda g: next(it) if isinstance(g, mx.array) else g, gradients)
+
+
+def reduce_leaves(backend, leaves, *, op="avg", scale=1.0, weight=None, compression=None, bucket_bytes=None):
+    """Collective: the reduction of ``leaves`` (a list of floating mx.arrays), as
+    ``reduce_gradients`` (no checks). With ``weight`` (this rank's, a float32 mx.array) the
+    leaves are already multiplied by it, and the result is their sum over the ranks divided by
+    the sum of the weights, times ``scale``."""
+    n = total_workers(backend)
+    weights = [] if weight is None else [weight.reshape(1)]  # travels with the gradients
+    if n == 1 and weight is None:
+        return leaves if scale == 1.0 else [g * scale for g in leaves]
+    if weight is None and op == "avg":
+        scale = scale / n
     if compression is None:
-        reduced = _bucketed(backend, leaves, scale, bucket_bytes)
+        reduced = _bucketed(backend, leaves + weights, scale if weight is None else 1.0, bucket_bytes)
     else:  # pre-divided by n, so that the sum of 16-bit floats cannot overflow
         sent = [_scaled(compression if g.dtype.size > 2 else g.dtype)(g, mx.array(1 / n)) for g in leaves]
-        reduced = _bucketed(backend, sent, 1.0, bucket_bytes)
-        reduced = [_scaled(g.dtype)(r, mx.array(scale * n)) for r, g in zip(reduced, leaves)]
-    it = iter(reduced)
-    return tree_map(lambda g: next(it) if isinstance(g, mx.array) else g, gradients)
+        reduced = _bucketed(backend, sent + [w / n for w in weights], 1.0, bucket_bytes)
+        back = 1.0 if weight is not None else scale * n
+        reduced = [_scaled(g.dtype)(r, mx.array(back)) for r, g in zip(reduced, leaves)] + reduced[len(leaves) :]
+    if weight is None:
+        return reduced
+    factor = scale / mx.maximum(reduced[-1], mx.array(1e-30, mx.float32))  # all weights 0: gradients 0
+    return [(r * factor).astype(r.dtype) for r in reduced[:-1]]
+
+
+def as_weight(weight) -> mx.array:
+    """A rank's weight as a 0-d float32 mx.array."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float, np.number, mx.array)):
+        raise TypeError(f"weight must be a number or a 0-d mx.array (such as a count of tokens), got {weight!r}")
+    weight = mx.array(weight, mx.float32) if not isinstance(weight, mx.array) else weight.astype(mx.float32)
+    if weight.ndim != 0:
+        raise ValueError(f"weight must be 0-d (one number per rank), got shape {weight.shape}")
+    return weight
+
+
+def describe_reduction(gradients, weight) -> list:
+    """What every rank's reduction must agree on: the tree, and whether it is weighted."""
+    return describe(gradients) + ([("(weight)", "weighted")] if weight is not None else [])
 
 
 def _bucketed(backend, arrays, scale, bucket_bytes):
@@ -141,8 +181,8 @@ class DistributedOptimizer(optim.Optimizer):
         self.accumulate_steps, self.compression, self.bucket_bytes = accumulate_steps, compression, bucket_bytes
         self._first = True  # no reduction yet
         self._parameters_checked = False
-        self._sum, self._calls = None, 0  # the local gradient sum of this accumulation cycle
-        self.shards = ShardedState(backend, optimizer, self._sum_arrays, compression) if shard_optimizer_state else None
+        self._sum, self._weight, self._calls = None, None, 0  # the local sums of this accumulation cycle
+        self.shards = ShardedState(backend, optimizer, self._reduce_leaves, op == "avg", compression) if shard_optimizer_state else None
 
     def __getattr__(self, name):  # only for names not found on the wrapper itself
         if name == "optimizer":
@@ -188,72 +228,88 @@ class DistributedOptimizer(optim.Optimizer):
         else:
             self.shards.load_whole_state(state)
 
-    def update(self, model, gradients):
+    def update(self, model, gradients, weight=None):
         """Reduce ``gradients`` across ranks, then the wrapped optimizer updates ``model``.
-        With ``accumulate_steps=k``, only the k-th call of each cycle does either."""
-        updated = self._step(gradients, model.parameters(), model)
+        ``weight``: this rank's weight (its count of tokens, say): the update then uses the
+        weighted mean of the ranks' gradients (see ``reduce_gradients``); pass it on every
+        rank or on none. With ``accumulate_steps=k``, only the k-th call of each cycle
+        reduces and updates (weighted: the weighted mean over the cycle's calls and ranks)."""
+        updated = self._step(gradients, model.parameters(), model, weight)
         if updated is not None:
             model.update(updated)
 
-    def apply_gradients(self, gradients, parameters):
-        """The wrapped optimizer's ``apply_gradients`` on the reduced ``gradients``. With
-        ``accumulate_steps=k``, the other calls return ``parameters`` (restricted to the keys
-        of ``gradients``) unchanged."""
-        updated = self._step(gradients, parameters, parameters)
+    def apply_gradients(self, gradients, parameters, weight=None):
+        """The wrapped optimizer's ``apply_gradients`` on the reduced ``gradients`` (``weight``:
+        as for ``update``). With ``accumulate_steps=k``, the other calls return ``parameters``
+        (restricted to the keys of ``gradients``) unchanged."""
+        updated = self._step(gradients, parameters, parameters, weight)
         return tree_map(lambda _, p: p, gradients, parameters) if updated is None else updated
 
-    def _step(self, gradients, parameters, target):
+    def reduce_gradients(self, gradients, weight=None):
+        """Collective: ``gradients`` reduced across ranks now, with this optimizer's op,
+        compression and buckets, or their weighted mean (``accumulate_steps`` does not apply)."""
+        weight = None if weight is None else as_weight(weight)
+        weighted = gradients if weight is None else tree_map(lambda g: _times(g, weight), gradients)
+        return self._reduce(weighted, 1.0, weight, "DistributedOptimizer.reduce_gradients(grads)")
+
+    def _step(self, gradients, parameters, target, weight):
         """The updated parameters (``target``: what the wrapped optimizer updates, the model
         or ``parameters``), or None while an accumulation cycle goes on."""
-        summed = self._accumulate(gradients, parameters)
+        summed = self._accumulate(gradients, parameters, weight)
         if summed is None:
             return None
-        total, scale = summed
+        total, scale, weight = summed
+        what = "DistributedOptimizer.update(grads)"
         if self.shards is not None:
-            self._first_reduction(total, "DistributedOptimizer.update(grads)")
-            return self.shards.step(total, parameters, scale / self.backend.size if self.op == "avg" else scale)
-        return self.optimizer.apply_gradients(self._reduce(total, scale, "DistributedOptimizer.update(grads)"), target)
+            self._first_reduction(total, weight, what)
+            return self.shards.step(total, parameters, scale, weight)
+        return self.optimizer.apply_gradients(self._reduce(total, scale, weight, what), target)
 
-    def reduce_gradients(self, gradients):
-        """Collective: ``gradients`` reduced across ranks now, with this optimizer's op,
-        compression and buckets (``accumulate_steps`` does not apply)."""
-        return self._reduce(gradients, 1.0, "DistributedOptimizer.reduce_gradients(grads)")
+    def _reduce(self, gradients, scale, weight, what):
+        """``gradients`` (already multiplied by ``weight`` when given) reduced across ranks."""
+        self._first_reduction(gradients, weight, what)
+        it = iter(self._reduce_leaves([g for _, g in tree_flatten(gradients) if isinstance(g, mx.array)], scale, weight))
+        return tree_map(lambda g: next(it) if isinstance(g, mx.array) else g, gradients)
 
-    def _reduce(self, gradients, scale, what):
-        self._first_reduction(gradients, what)
-        return reduce_gradients(self.backend, gradients, op=self.op, scale=scale, compression=self.compression,
-                                bucket_bytes=self.bucket_bytes, verify=False)  # fmt: skip
+    def _reduce_leaves(self, leaves, scale, weight):
+        return reduce_leaves(self.backend, leaves, op=self.op if weight is None else "avg", scale=scale, weight=weight,
+                             compression=self.compression, bucket_bytes=self.bucket_bytes)  # fmt: skip
 
-    def _sum_arrays(self, arrays, scale):
-        return reduce_gradients(self.backend, arrays, op="sum", scale=scale, compression=self.compression,
-                                bucket_bytes=self.bucket_bytes, verify=False)  # fmt: skip
-
-    def _first_reduction(self, gradients, what):
+    def _first_reduction(self, gradients, weight, what):
         """Before each reduction: the tree is the same on every rank (the first time, raise
         MLX's cache limit for the gradient buffers)."""
         if self._first:
             _raise_cache_limit(4 * sum(g.nbytes for _, g in tree_flatten(gradients) if isinstance(g, mx.array)))
             self._first = False
         if self.backend.size > 1 and evaluate(gradients):  # not while MLX traces (see reduce_gradients)
-            verify_same_structure(self.backend, describe(gradients), what)
+            verify_same_structure(self.backend, describe_reduction(gradients, weight), what)
 
-    def _accumulate(self, gradients, parameters):
-        """``(the local gradients to reduce, their scale)`` of this call, or None while an
-        accumulation cycle goes on."""
+    def _accumulate(self, gradients, parameters, weight):
+        """``(the local gradients to reduce, their scale, the local weight)`` of this call
+        (weighted: the gradients multiplied by the weight), or None while an accumulation
+        cycle goes on."""
         if not self._parameters_checked and self.backend.size > 1 and evaluate(parameters):
             _check_same_parameters(self.backend, parameters)
             self._parameters_checked = True
+        if weight is not None:
+            if self.op != "avg":
+                raise ValueError(f"DistributedOptimizer(op={self.op!r}): weight= gives a weighted mean; use op='avg'")
+            weight = as_weight(weight)
+            gradients = tree_map(lambda g: _times(g, weight), gradients)
         k = self.accumulate_steps
         if k == 1:
-            return gradients, 1.0
+            return gradients, 1.0, weight
+        if self._calls and (weight is None) != (self._weight is None):
+            raise ValueError("DistributedOptimizer: pass weight= to every call of an accumulation cycle, or to none")
         self._calls += 1
         total = gradients if self._sum is None else tree_map(_add, self._sum, gradients)
+        weights = weight if self._weight is None or weight is None else self._weight + weight
         if self._calls < k:
-            self._sum = total
+            self._sum, self._weight = total, weights
             mx.async_eval([a for _, a in tree_flatten(total) if isinstance(a, mx.array)])  # drop the graphs
             return None
-        self._sum, self._calls = None, 0
-        return total, 1 / k if self.op == "avg" else 1.0
+        self._sum, self._weight, self._calls = None, None, 0
+        return total, (1 / k if self.op == "avg" and weights is None else 1.0), weights
 
 
 def _check_same_parameters(backend, parameters):
@@ -274,6 +330,10 @@ def _check_same_parameters(backend, parameters):
 
 def _add(a, b):
     return a + b if isinstance(a, mx.array) else a
+
+
+def _times(g, weight):
+    return g * weight.astype(g.dtype) if isinstance(g, mx.array) else g
 
 
 def _raise_cache_limit(nbytes: int):

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .api import allgather, reduce_scatter_sum
+from .api import allgather, allreduce_arrays, reduce_scatter_sum
 
 #: Optimizers whose update is element by element: their state can be split anywhere.
 ELEMENTWISE = (optim.SGD, optim.Adam, optim.Lion, optim.RMSprop, optim.Adagrad, optim.AdaDelta, optim.Adamax)
@@ -104,22 +104,24 @@ class ShardedState:
     state of this rank's pieces of the parameters, keyed by the parameters' names
     (``opt.state["layers.0.weight"]["m"]``: a 1-d piece of that parameter's moment)."""
 
-    def __init__(self, backend, optimizer, reduce, compression=None):
-        """``reduce(arrays, scale)``: the sum of every rank's ``arrays`` (a list) times
-        ``scale``, as the optimizer reduces them (``reduce_gradients``)."""
+    def __init__(self, backend, optimizer, reduce, average, compression=None):
+        """``reduce(arrays, scale, weight)``: every rank's ``arrays`` (a list) reduced as the
+        optimizer reduces them (``reduce_leaves``); ``average``: whether its op is "avg"."""
         check_elementwise(optimizer)
         self.backend, self.optimizer, self.reduce, self.compression = backend, optimizer, reduce, compression
+        self.average = average
         self.layout = None
         self._pending = None  # a whole state loaded before the layout was known
 
-    def step(self, gradients, parameters, scale):
-        """Collective: the updated parameters for the keys of ``gradients`` (a tree), from the
-        sum of every rank's ``gradients`` times ``scale``."""
+    def step(self, gradients, parameters, scale, weight=None):
+        """Collective: the updated parameters for the keys of ``gradients`` (a tree), from
+        every rank's ``gradients`` reduced as ``reduce`` does (``weight``: they are already
+        multiplied by this rank's weight, and their weighted mean is taken)."""
         leaves = _floating_leaves(gradients, "DistributedOptimizer.update(grads)")
         layout = self._layout(leaves)
         # Nothing here holds the pieces while the all-gather evaluates the update: MLX can then
         # reuse their buffers for its results (as it does for an unsharded optimizer).
-        updated = self.optimizer.apply_gradients(self._my_gradients(leaves, scale), layout.mine(dict(tree_flatten(parameters))))
+        updated = self.optimizer.apply_gradients(self._my_gradients(leaves, scale, weight), layout.mine(dict(tree_flatten(parameters))))
         whole = {}
         for name in layout.groups:
             whole.update(layout.unflatten(allgather(self.backend, layout.part(updated, name)), name))
@@ -175,23 +177,31 @@ class ShardedState:
             mine[key] = {entry: v.reshape(-1)[a:b] for entry, v in _at(state, key).items()}
         self.optimizer.state = mine
 
-    def _my_gradients(self, leaves, scale) -> dict:
-        """This rank's pieces of the sum of every rank's gradients times ``scale``."""
+    def _my_gradients(self, leaves, scale, weight) -> dict:
+        """This rank's pieces of the reduced gradients."""
         layout = self.layout
-        if self.backend.native_reduce_scatter:
-            grads, pieces = dict(leaves), {}
-            for name in layout.groups:
-                pieces.update(layout.split(self._reduce_scatter(layout.flatten(grads, name), scale), name))
-            return pieces
-        return layout.mine(dict(zip([key for key, _ in leaves], self.reduce([a for _, a in leaves], scale))))
+        if not self.backend.native_reduce_scatter:
+            reduced = self.reduce([a for _, a in leaves], scale, weight)
+            return layout.mine(dict(zip([key for key, _ in leaves], reduced)))
+        if weight is not None:  # (a reduce-scatter cannot carry the weights along)
+            scale = scale / mx.maximum(allreduce_arrays(self.backend, [weight.reshape(1)], "sum")[0], 1e-30)
+        elif self.average:
+            scale = scale / self.backend.size
+        grads, pieces = dict(leaves), {}
+        for name in layout.groups:
+            pieces.update(layout.split(self._reduce_scatter(layout.flatten(grads, name), scale), name))
+        return pieces
 
     def _reduce_scatter(self, flat, scale):
-        n = self.backend.size
+        """This rank's part of the sum of every rank's ``flat``, times ``scale`` (a number or
+        a 0-d array)."""
         if self.compression is None or flat.dtype.size <= 2:
-            return reduce_scatter_sum(self.backend, flat, scale)
-        # pre-divided by n, so that the sum of 16-bit floats cannot overflow (as reduce_gradients)
-        part = reduce_scatter_sum(self.backend, (flat * (1 / n)).astype(self.compression))
-        return (part.astype(flat.dtype) * (scale * n)).astype(flat.dtype)
+            part = reduce_scatter_sum(self.backend, flat)
+        else:  # pre-divided by n, so that the sum of 16-bit floats cannot overflow (as reduce_gradients)
+            n = self.backend.size
+            part = reduce_scatter_sum(self.backend, (flat * (1 / n)).astype(self.compression)).astype(flat.dtype)
+            scale = scale * n
+        return (part * scale).astype(flat.dtype)
 
 
 def _floating_leaves(tree, what):
