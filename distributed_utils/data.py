@@ -20,6 +20,10 @@ import numpy as np
 from .api import allgather, allreduce, local_rank, total_workers
 
 
+#: Length-grouped batches are sorted within runs of this many batches (see ``group_by_length``).
+LENGTH_GROUP_BATCHES = 32
+
+
 def shard_bounds(n: int, world_size: int, rank: int) -> tuple:
     """``(start, stop)`` of rank's contiguous shard of ``n`` items: the first ``n % world_size``
     ranks hold ``ceil(n / world_size)`` items, the others ``floor`` (possibly 0)."""
@@ -60,6 +64,32 @@ def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epo
     return np.random.default_rng((seed, epoch)).permutation(n)[positions]
 
 
+def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0):
+    """``(indices, real)``: the global indices rank visits when every item must be visited
+    exactly once (evaluation): its own shard of the epoch's order, then filler (its first item
+    again) up to the same whole number of batches on every rank; ``real`` is False for filler."""
+    order = np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
+    start, stop = shard_bounds(n, world_size, rank)
+    total = -(-(-(-n // world_size)) // batch_size) * batch_size
+    mine = order[start:stop]
+    filler = np.full(total - len(mine), mine[0] if len(mine) else order[0])
+    return np.concatenate([mine, filler]), np.arange(total) < len(mine)
+
+
+def group_by_length(order, lengths, batch_size, real=None):
+    """``order`` with each run of ``LENGTH_GROUP_BATCHES`` batches sorted by length, longest
+    first (a stable sort): a batch then holds items of similar lengths, so less padding, and
+    the runs keep the epoch's (shuffled) order. ``lengths(indices)`` gives their lengths.
+    With ``real`` (see ``exactly_once_indices``) only the real items are grouped."""
+    out = np.array(order)
+    count = len(out) if real is None else int(real.sum())
+    run = LENGTH_GROUP_BATCHES * batch_size
+    for s in range(0, count, run):
+        chunk = out[s : min(s + run, count)]
+        out[s : s + len(chunk)] = chunk[np.argsort(-np.asarray(lengths(chunk)), kind="stable")]
+    return out
+
+
 def remaining_positions(n: int, done=()) -> np.ndarray:
     """The positions in an epoch's order of ``n`` items not yet visited after the ``done``
     parts ``(world_size, batch_size, batches)``, each run on what the parts before it left."""
@@ -89,12 +119,17 @@ class DistributedDataContainer:
     (rows fetched with ``ds[list_of_indices]``); or an iterable of unknown length (a stream:
     rank r takes items r, r + P, r + 2P, ...).
 
+    ``collate``: a function from a list of items to a batch (padding sequences, say); without
+    it items are stacked (see ``batches``). ``lengths``: each item's length, as an array of N
+    numbers or a function of an item; ``batches`` then groups items of similar lengths
+    (``group_by_length``). Both run on this rank's items only.
+
     Collective at construction (every rank checks that all ranks passed data of the same
     length); after that, for sized data, ``len()``, ``container[i]`` (local index i -> global
     item ``indices[i]``) and iteration cover this rank's shard only, with no communication.
     """
 
-    def __init__(self, backend, data):
+    def __init__(self, backend, data, *, collate=None, lengths=None):
         self.backend = backend
         self.rank = local_rank(backend)
         self.world_size = total_workers(backend)
@@ -108,6 +143,30 @@ class DistributedDataContainer:
         self._check_same_length_everywhere()
         if self._n is not None:
             self.indices = range(*shard_bounds(self._n, self.world_size, self.rank))
+        if collate is not None and not callable(collate):
+            raise TypeError(f"{self._label}: collate must be a function from a list of items to a batch")
+        self.collate = collate
+        self._lengths = self._length_function(lengths)
+
+    def _length_function(self, lengths):
+        """``lengths`` as a function from global indices to lengths (memoized for a function of an item)."""
+        if lengths is None:
+            return None
+        self._check_sized("lengths")
+        if callable(lengths):
+            known = {}
+
+            def of(indices):
+                for i in indices.tolist():
+                    if i not in known:
+                        known[i] = lengths(self._item(i))
+                return [known[i] for i in indices.tolist()]
+
+            return of
+        table = np.asarray(lengths)
+        if table.shape != (self._n,):
+            raise ValueError(f"{self._label}: lengths must give one number per item ({self._n}), got shape {table.shape}")
+        return lambda indices: table[indices]
 
     def _check_same_length_everywhere(self):
         """Collective, once: ranks holding data of different lengths would compute different
@@ -133,7 +192,10 @@ class DistributedDataContainer:
         i = operator.index(i)
         if not -len(self) <= i < len(self):
             raise IndexError(f"{self._label}: index {i} is out of range for this rank's {len(self)} items")
-        j = self.indices[i]
+        return self._item(self.indices[i])
+
+    def _item(self, j):
+        """Global item ``j``."""
         if self._columns is not None:
             return _map_fields(self._columns, lambda f: f[j])
         return self.data[j]
@@ -201,11 +263,13 @@ class DistributedDataContainer:
             )
         return [*before, (world_size, saved_batch, batches)], 0
 
-    def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=None):
+    def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=None,
+                exactly_once=False):  # fmt: skip
         """Yields this rank's batches for one epoch: mx.arrays stacked along a new first axis
         (a tuple or dict of them for tuple/dict/dataset data; a field of strings or other
-        non-numbers stays a list). Every rank yields the same number of batches, of the same
-        sizes, so every rank runs the same number of steps.
+        non-numbers stays a list), or what ``collate`` makes of the list of items. Every rank
+        yields the same number of batches, of the same sizes, so every rank runs the same
+        number of steps. With ``lengths``, items of similar lengths share a batch.
 
         Sized data (see ``epoch_indices``): each rank visits ``ceil(N / P)`` items (a rank
         whose shard is one short repeats one item), and the last batch may be smaller (the
@@ -223,13 +287,20 @@ class DistributedDataContainer:
         give different step counts: a deadlock). A stream: one ``allreduce(min)`` per batch. The epoch ends at the first
         step where some rank has fewer than ``batch_size`` items left; then every rank
         yields a last batch of the smallest count (not with ``drop_last``). A generator can
-        be read once. ``shuffle`` needs sized data."""
+        be read once. ``shuffle`` needs sized data.
+
+        ``exactly_once`` (evaluation; sized data): every item is visited exactly once across
+        the ranks, and each rank yields ``(batch, mask)``: its own shard, filled up to the same
+        number of full batches on every rank with repeats of its first item, for which ``mask``
+        (float32, one per item) is 0 (1 for a real item). Weight metrics with the mask."""
         batch_size = self._batch_size(batch_size)
         epoch = self.epoch if epoch is None else operator.index(epoch)
         before, skip = self._resumed_parts(epoch, batch_size)
         start = skip if start is None else operator.index(start)
         self._check_same_everywhere(batch_size=batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
-                                    drop_last=drop_last, start=start)  # fmt: skip
+                                    drop_last=drop_last, start=start, exactly_once=exactly_once)  # fmt: skip
+        if exactly_once:
+            return self._exactly_once(batch_size, shuffle, seed, epoch, drop_last, start, before)
         if self.is_stream:
             if shuffle:
                 raise ValueError(f"{self._label}: cannot shuffle a stream (data of unknown length)")
@@ -240,11 +311,30 @@ class DistributedDataContainer:
             self._n, self.world_size, self.rank, batch_size,
             shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last, done=before,
         )  # fmt: skip
-        total = -(-len(order) // batch_size)
-        if not 0 <= start <= total:
-            raise ValueError(f"{self._label}: start={start} is not in 0..{total} (batches in this epoch)")
+        if self._lengths is not None:
+            order = group_by_length(order, self._lengths, batch_size)
+        self._check_start(start, -(-len(order) // batch_size))
         batches = (self._fetch(order[b : b + batch_size]) for b in range(start * batch_size, len(order), batch_size))
         return self._counted(epoch, before, batch_size, start, batches)
+
+    def _exactly_once(self, batch_size, shuffle, seed, epoch, drop_last, start, before):
+        if self.is_stream or drop_last or before:
+            why = ("a stream's length is unknown" if self.is_stream else "drop_last skips items" if drop_last
+                   else "the epoch was begun at another world size or batch size")  # fmt: skip
+            raise ValueError(f"{self._label}: exactly_once cannot visit every item once here: {why}")
+        order, real = exactly_once_indices(self._n, self.world_size, self.rank, batch_size,
+                                           shuffle=shuffle, seed=seed, epoch=epoch)  # fmt: skip
+        if self._lengths is not None:
+            order = group_by_length(order, self._lengths, batch_size, real)
+        self._check_start(start, len(order) // batch_size)
+        mask = mx.array(real.astype(np.float32))
+        batches = ((self._fetch(order[b : b + batch_size]), mask[b : b + batch_size])
+                   for b in range(start * batch_size, len(order), batch_size))  # fmt: skip
+        return self._counted(epoch, before, batch_size, start, batches)
+
+    def _check_start(self, start, total):
+        if not 0 <= start <= total:
+            raise ValueError(f"{self._label}: start={start} is not in 0..{total} (batches in this epoch)")
 
     def _counted(self, epoch, before, batch_size, start, batches):
         """``batches``, keeping ``state_dict`` up to date as they are handed out."""
@@ -274,12 +364,14 @@ class DistributedDataContainer:
             k = allreduce(self.backend, len(chunk), "min")
             if k == 0 or (k < batch_size and drop_last):
                 return
-            yield _stack(chunk[:k])
+            yield self.collate(chunk[:k]) if self.collate else _stack(chunk[:k])
             if k < batch_size:
                 return
 
     def _fetch(self, idx):
-        """The stacked batch of global indices ``idx`` (a numpy int array)."""
+        """The batch of global indices ``idx`` (a numpy int array): stacked, or collated."""
+        if self.collate is not None:
+            return self.collate([self._item(int(i)) for i in idx])
         if self._columns is not None:
             return _map_fields(self._columns, lambda f: _take(f, idx))
         if _is_hf_dataset(self.data):

@@ -368,3 +368,67 @@ def test_an_old_position_without_a_batch_size_at_another_world_size_is_a_clear_e
         data.load_state_dict({"epoch": 1, "batches": 2, "world_size": du.total_workers(backend) + 1})
     data.load_state_dict({"epoch": 4, "batches": 0, "world_size": du.total_workers(backend) + 1})  # a boundary
     assert data.epoch == 4
+
+
+# ---- sequences: collate, length-grouped batches, evaluation exactly once ----
+
+
+def sequences(n=61, seed=0):
+    """Token sequences of lengths 1..40 (a list of lists, ragged)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 100, rng.integers(1, 41)).tolist() for _ in range(n)]
+
+
+def pad(items):
+    """A collate function: right-padded token batch and the lengths."""
+    width = max(len(t) for t in items)
+    return mx.array([t + [0] * (width - len(t)) for t in items]), mx.array([len(t) for t in items])
+
+
+def padding_fraction(batches):
+    tokens, lengths = zip(*batches)
+    return 1 - sum(int(l.sum()) for l in lengths) / sum(t.size for t in tokens)
+
+
+def test_collate_makes_the_batches(backend):
+    data = du.DistributedDataContainer(backend, sequences(), collate=pad)
+    for tokens, lengths in data.batches(5, shuffle=True, seed=1):
+        assert tokens.ndim == 2 and tokens.shape[1] == int(lengths.max())
+    stream = du.DistributedDataContainer(backend, iter(sequences()), collate=pad)
+    assert all(t.ndim == 2 for t, _ in stream.batches(4))
+
+
+@pytest.mark.parametrize("lengths", ["array", "function"])
+def test_length_grouped_batches_pad_less_and_visit_the_same_items(backend, lengths):
+    seqs = sequences(400)
+    given_lengths = np.array([len(s) for s in seqs]) if lengths == "array" else len
+    plain = du.DistributedDataContainer(backend, seqs, collate=pad)
+    grouped = du.DistributedDataContainer(backend, seqs, collate=pad, lengths=given_lengths)
+    for epoch in (0, 1):
+        a = list(plain.batches(8, shuffle=True, seed=2, epoch=epoch))
+        b = list(grouped.batches(8, shuffle=True, seed=2, epoch=epoch))
+        assert len(a) == len(b) == plain.num_batches(8)
+        assert sorted(as_list(mx.concatenate([l for _, l in a]))) == sorted(as_list(mx.concatenate([l for _, l in b])))
+        assert padding_fraction(b) < padding_fraction(a) / 3
+        again = list(grouped.batches(8, shuffle=True, seed=2, epoch=epoch))  # deterministic
+        assert all(mx.array_equal(x[0], y[0]).item() for x, y in zip(b, again))
+
+
+@given(n=st.integers(1, 80), batch=st.integers(1, 9), shuffle=st.booleans())
+def test_exactly_once_visits_every_item_once_with_equal_steps(backend, n, batch, shuffle):
+    data = du.DistributedDataContainer(backend, np.arange(n))
+    mine = list(data.batches(batch, shuffle=shuffle, seed=4, exactly_once=True))
+    steps = du.allgather(backend, np.array([len(mine)]))
+    assert (steps == steps[0]).all()  # the same steps everywhere
+    assert all(x.shape == (batch,) and m.shape == (batch,) for x, m in mine)  # full batches: one shape
+    real = [int(i) for x, m in mine for i, keep in zip(as_list(x), as_list(m)) if keep == 1]
+    everyone = [i for items in du.allgather(backend, real) for i in items]
+    assert sorted(everyone) == list(range(n))  # each item exactly once
+
+
+def test_exactly_once_refuses_what_would_skip_or_repeat_items(backend):
+    data = du.DistributedDataContainer(backend, np.arange(10))
+    with pytest.raises(ValueError, match="drop_last skips items"):
+        data.batches(3, exactly_once=True, drop_last=True)
+    with pytest.raises(ValueError, match="stream's length is unknown"):
+        du.DistributedDataContainer(backend, iter(range(10))).batches(3, exactly_once=True)
