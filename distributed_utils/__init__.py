@@ -26,7 +26,7 @@ from .backends import (
     NCCLBackend,
     RingBackend,
 )
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, save_adapters, save_checkpoint
 from .data import DistributedDataContainer
 from .optimizer import DistributedOptimizer, reduce_gradients
 from .synchronize import synchronize

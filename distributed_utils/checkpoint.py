@@ -48,14 +48,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read, or does not fit the model; raised on every rank."""
 
 
-def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, step=None, extra=None, keep=None):
+def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, step=None, extra=None, keep=None,
+                    trainable_only=False):  # fmt: skip
     """Collective: write a checkpoint of this job to ``path`` (rank 0 writes; every rank waits).
 
     With ``keep=k``, ``path`` is a directory of checkpoints: this one is written to
     ``path/step-{step}.safetensors`` (``step`` is then required) and all but the newest k
     are removed; ``load_checkpoint(backend, path)`` loads the newest.
 
-    ``model``: an ``nn.Module`` (all its parameters); ``optimizer``: an ``mlx.optimizers``
+    ``model``: an ``nn.Module`` (all its parameters, or with ``trainable_only`` the trainable
+    ones alone: fine-tuning's adapters, without the frozen base); ``optimizer``: an ``mlx.optimizers``
     optimizer or ``du.DistributedOptimizer`` (its state; a sharded one's is gathered whole, so
     it loads into any world size, sharded or not); ``data``: your position in the
     data as a JSON value (e.g. ``{"epoch": 3, "batch": 120}``), or an object with
@@ -70,13 +72,13 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
         folder, path = Path(path), Path(path) / f"{_STEP_PREFIX}{step:012d}.safetensors"
     arrays = {}
     if model is not None:
-        arrays.update(_flat("model", model.parameters()))
+        arrays.update(_flat("model", model.trainable_parameters() if trainable_only else model.parameters()))
     if optimizer is not None:
         arrays.update(_flat("optimizer", _whole_state(optimizer)))
     meta = {
         "format": FORMAT, "step": step, "extra": extra, "world_size": backend.size,
         "data": data.state_dict() if hasattr(data, "state_dict") else data,
-        "optimizer": None if optimizer is None else _optimizer_name(optimizer),
+        "optimizer": None if optimizer is None else _optimizer_name(optimizer), "trainable_only": trainable_only,
     }  # fmt: skip
     try:
         meta_json = json.dumps(meta)
@@ -118,7 +120,8 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
 
     Rank 0 reads the file (the newest checkpoint when ``path`` is a directory of them, see
     ``keep``) and broadcasts it. ``model`` gets the saved parameters in place,
-    ``optimizer`` the saved state, ``data`` (if it has ``load_state_dict``) its state, and each
+    ``optimizer`` the saved state (``model`` gets only the parameters saved: the trainable ones
+    of a ``trainable_only`` checkpoint), ``data`` (if it has ``load_state_dict``) its state, and each
     rank its own random state (when the world size is the one saved). Returns
     ``{"step", "data", "extra", "world_size"}`` (the world size that saved it: any other
     loads too, see ``DistributedDataContainer.load_state_dict``), or None on every rank when
@@ -136,7 +139,7 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
             f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a {_optimizer_name(optimizer)}"
         )
     if model is not None:
-        _check_fits(path, "model", entries, model.parameters())
+        _check_fits(path, "model", entries, model.trainable_parameters() if meta.get("trainable_only") else model.parameters())
     if optimizer is not None:  # an initialized one: its state's shapes are known
         _check_fits(path, "optimizer", entries, _whole_state(optimizer) if has_state(optimizer) else None)
     if backend.rank == 0:
@@ -312,6 +315,28 @@ def _check_fits(path, section, entries, tree):
         f"load_checkpoint: {path} does not fit the {section}: at '{key}' the checkpoint has "
         f"{shown(saved.get(key))} and the {section} {shown(have.get(key))}"
     )
+
+
+def save_adapters(backend, path, model, config=None):
+    """Collective: rank 0 writes ``model``'s trainable parameters (LoRA adapters, say) to
+    ``path`` as mlx-lm does, atomically: a safetensors file of their flat names, which
+    ``mx.load``, ``model.load_weights(path, strict=False)`` and mlx-lm read. ``config``: a
+    dict written beside it as ``adapter_config.json`` (mlx-lm's ``load_adapters`` and
+    ``--adapter-path`` want it). Every rank returns once the file is complete, or raises
+    CheckpointError if rank 0 could not write it."""
+    check_backend(backend)
+    path = Path(path)
+    arrays = dict(tree_flatten(model.trainable_parameters()))
+    writing = _write_atomically(path, arrays, json.dumps({"format": "adapters"})) if backend.rank == 0 else None
+    if backend.rank != 0:
+        _with_heartbeats(backend, None)
+
+    def write():
+        _with_heartbeats(backend, writing)
+        if config is not None:
+            (path.parent / "adapter_config.json").write_text(json.dumps(config, indent=4))
+
+    root_runs(backend, write, 0, CheckpointError, f"write {path}")
 
 
 def _whole_state(optimizer) -> dict:

@@ -14,7 +14,7 @@ from .optimizer import DistributedOptimizer
 from .tree import BROADCAST_BUCKET_BYTES, TreeMismatchError, buckets, describe, pack, unpack, verify_same_structure
 
 
-def synchronize(backend, x, root: int = 0, *, model=None):
+def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
     """Collective: ``x`` with root's values, on every rank.
 
     - ``mx.array`` and numpy arrays arrive bit for bit (numpy ones as new numpy arrays).
@@ -22,6 +22,8 @@ def synchronize(backend, x, root: int = 0, *, model=None):
       non-array leaves: numbers, None, str, bytes or any picklable object.
     - An ``nn.Module`` gets root's ``parameters()`` (frozen ones and buffers such as
       BatchNorm's running statistics included) through ``update``, in place; it is returned.
+      ``trainable_only``: only its trainable parameters travel (fine-tuning: every rank loaded
+      the same frozen base, and only the adapters, initialized at random, differ).
     - An ``Optimizer`` gets root's ``state`` (step, learning rate, every moment), in place; it
       is returned. Its state must exist: ``opt.init(model.trainable_parameters())``, or pass
       ``model=`` to have an uninitialized optimizer initialized from it first. A
@@ -40,8 +42,10 @@ def synchronize(backend, x, root: int = 0, *, model=None):
     if model is not None:
         raise TypeError(f"{what}: model= is only for optimizers")
     if isinstance(x, Module):
-        params = _synchronize_tree(backend, x.parameters(), root, what)
+        params = _synchronize_tree(backend, x.trainable_parameters() if trainable_only else x.parameters(), root, what)
         return x if backend.rank == root else x.update(params)
+    if trainable_only:
+        raise TypeError(f"{what}: trainable_only= is only for an nn.Module")
     return _synchronize_tree(backend, x, root, what)
 
 
