@@ -16,8 +16,11 @@ _NARROW_FLOATS = (mx.float16, mx.bfloat16)  # no MPI type: reduced in float32, r
 class MPIBackend(AbstractBackend):
     """MPI through mpi4py, on evaluated host buffers: an ``mx.array`` is read through a
     zero-copy numpy view of its memory, and results are reduced in place, in the array's own
-    memory when the caller hands it over (``in_place``), else in a copy. It cannot run while
-    MLX traces a function (``mx.compile``)."""
+    memory when the caller hands it over (``in_place``), else in a copy.
+
+    While MLX traces a function (``mx.compile``) there are no buffers yet: the collectives
+    then become MLX's own MPI ops on the same processes (``MLXMPIBackend``, started with this
+    backend), part of the compiled graph."""
 
     launch_name = "mpi"
 
@@ -33,9 +36,34 @@ class MPIBackend(AbstractBackend):
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+        self._traced = None  # the MLXMPIBackend that runs the collectives of traced functions
+
+    def _while_tracing(self, arrays):
+        """The backend for ``arrays``: None when they can be evaluated (this one runs), else
+        MLX's MPI backend on the same processes (MLX is tracing a function)."""
+        if _evaluated(arrays):
+            return None
+        if self._traced is None:
+            from .mlx import MLXMPIBackend
+
+            try:
+                self._traced = MLXMPIBackend()
+            except BackendUnavailableError as e:
+                raise ValueError(
+                    "MPIBackend reduces evaluated host buffers, so inside mx.compile it needs MLX's own MPI "
+                    f"backend, which cannot start here ({e}): compile the gradient computation and reduce "
+                    "outside it, or use an MLX backend"
+                ) from e
+            if (self._traced.rank, self._traced.size) != (self.rank, self.size):
+                raise ValueError(
+                    f"MPIBackend: MLX's MPI backend sees rank {self._traced.rank} of {self._traced.size}, not "
+                    f"{self.rank} of {self.size}; it cannot run this job's collectives inside mx.compile"
+                )
+        return self._traced
 
     def allreduce(self, arrays, op, scale=1.0, in_place=False):
-        _require_values(arrays)
+        if traced := self._while_tracing(arrays):
+            return traced.allreduce(arrays, op, scale)
         # Decide (and copy) everything before overwriting anything: arrays may share memory.
         # Only the copying depends on this rank; the MPI calls depend on dtypes and sizes alone.
         work, views, taken = [], [], []
@@ -60,7 +88,8 @@ class MPIBackend(AbstractBackend):
         return [w if w.dtype == a.dtype else w.astype(a.dtype) for w, a in zip(work, arrays)]
 
     def bcast(self, x, root):
-        _require_values([x])
+        if traced := self._while_tracing([x]):
+            return traced.bcast(x, root)
         buf = contiguous_numpy(x)
         if self.rank == root:
             self.comm.Bcast(_bytes(buf), root=root)
@@ -71,7 +100,8 @@ class MPIBackend(AbstractBackend):
         return _as_dtype(out, x.dtype)
 
     def allgather(self, x):
-        _require_values([x])
+        if traced := self._while_tracing([x]):
+            return traced.allgather(x)
         buf = contiguous_numpy(x)
         out = mx.zeros((self.size * buf.shape[0],) + buf.shape[1:], MX_DTYPES[buf.dtype.name])
         if out.size:  # received straight into the result's memory
@@ -82,16 +112,15 @@ class MPIBackend(AbstractBackend):
         self.comm.Barrier()
 
 
-def _require_values(arrays):
+def _evaluated(arrays) -> bool:
+    """Evaluate ``arrays``; False if MLX is tracing a function (no values to evaluate yet)."""
     try:
         mx.eval(arrays)
     except ValueError as e:  # MLX refuses to evaluate while tracing
         if "function transformations" not in str(e):
             raise
-        raise ValueError(
-            "MPIBackend reduces evaluated host buffers, so it cannot run inside mx.compile or "
-            "mx.vmap: compile the gradient computation and reduce outside it (or use an MLX backend)"
-        ) from e
+        return False
+    return True
 
 
 def _unshared(view, taken: list):

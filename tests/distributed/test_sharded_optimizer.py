@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
-from test_optimizer import MLX_BACKEND, OPTIMIZERS, assert_same_parameters, compiled_step, loss_fn, mlp
+from test_optimizer import OPTIMIZERS, assert_same_parameters, compiled_step, loss_fn, mlp
 from test_optimizer import reference_and_mine, train
 
 import distributed_utils as du
@@ -120,7 +120,6 @@ def test_frozen_parameters_are_neither_updated_nor_in_the_state(backend):
     assert set(opt.whole_state()["layers"][0]) == set() and set(opt.whole_state()["layers"][2]) == {"weight", "bias"}
 
 
-@MLX_BACKEND
 def test_a_compiled_step_with_the_sharded_update_inside(backend):
     full, mine = reference_and_mine(backend, batch=3, steps=4)
     expected = train(mlp(), OPTIMIZERS["adamw-schedule"](), full)

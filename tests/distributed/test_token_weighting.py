@@ -152,7 +152,6 @@ def test_the_reduce_scatter_path_of_nccl_and_jaccl_weights_too(backend, monkeypa
     assert_same_parameters(train(mlp(), opt, [step[r] for step in steps]), expected)
 
 
-@pytest.mark.world(backend=du.MLXBackend)
 def test_a_compiled_weighted_step(backend):
     n, r = du.total_workers(backend), du.local_rank(backend)
     steps = token_batches(5, 3, n)
