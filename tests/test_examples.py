@@ -122,3 +122,74 @@ def test_llama_falls_back_when_the_hub_is_unreachable(llama_example, monkeypatch
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     tokens, why = llama_example.tinystories_tokens(100)
     assert tokens is None and why.startswith("ConnectionError: Couldn't reach")
+
+
+LORA = ROOT / "examples" / "lora.py"
+LORA_STEP = re.compile(r"\[rank 0\] step (\d+) loss ([\d.]+)")
+LORA_BATCH = re.compile(r"\[rank 0\] batch (\d+) ids (\[.*\])")
+
+
+def lora(backend, tmp_path, out, *args):
+    run = launch(2, backend, ["python", str(LORA), "--data", str(tmp_path / "data"), "--out", str(tmp_path / out),
+                              *args], timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout
+    return run, {int(s): float(x) for s, x in LORA_STEP.findall(run.stdout)}
+
+
+def import_example(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_lora_example_steps_like_mlx_lm_trainer_and_resumes_exactly(backend, tmp_path):
+    """The LoRA example on 2 ranks against mlx-lm's own trainer (one process, fed the same
+    global batches): the same per-token loss at every step. Then the run cut in two by a
+    checkpoint gives the same losses after the cut."""
+    pytest.importorskip("mlx_lm", reason="the LoRA example needs the lm extra: pip install '.[lm]'")
+    import json
+
+    import mlx.optimizers as optim
+    from mlx_lm.tuner.trainer import TrainingArgs, train
+    from tokenizers import Tokenizer
+
+    whole, losses = lora(backend, tmp_path, "whole", "--iters", "12", "--save-every", "6", "--log-ids")
+    assert sorted(losses) == list(range(1, 13)), whole.stdout
+    assert "validation loss" in whole.stdout and (tmp_path / "whole" / "adapters.safetensors").exists()
+    batches = {int(s): json.loads(ids) for s, ids in LORA_BATCH.findall(whole.stdout)}
+
+    ex = import_example(LORA)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "data" / "tokenizer.json"))
+    items = ex.read_items(tmp_path / "data" / "train.jsonl")
+    collate = ex.collate_with(tokenizer)
+    model = ex.with_lora(ex.base_model(tokenizer.get_vocab_size()))
+
+    def same_batches(dataset, batch_size, max_seq_length, loop=False, seed=None, comm_group=None):
+        for s in sorted(batches):
+            tokens, lengths, _ = collate([items[i] for i in batches[s]])
+            yield tokens, lengths
+
+    reported = {}
+
+    class Losses:
+        def on_train_loss_report(self, info):
+            reported[info["iteration"]] = info["train_loss"]
+
+        def on_val_loss_report(self, info):
+            pass
+
+    args = TrainingArgs(batch_size=16, iters=12, steps_per_report=1, steps_per_eval=10**9, steps_per_save=10**9,
+                        adapter_file=str(tmp_path / "mlx-lm-adapters.safetensors"), max_seq_length=256)  # fmt: skip
+    train(model, optim.Adam(learning_rate=2e-3), items, args=args, iterate_batches=same_batches,
+          training_callback=Losses())  # fmt: skip
+    for s in range(1, 13):
+        assert abs(losses[s] - reported[s]) < 5e-4, (s, losses[s], reported[s])  # measured: 4e-5 at most
+
+    _, first = lora(backend, tmp_path, "cut", "--iters", "6", "--save-every", "6")
+    second_run, second = lora(backend, tmp_path, "cut", "--iters", "12", "--save-every", "6", "--resume")
+    assert "[rank 0] resumed at step 6" in second_run.stdout, second_run.stdout
+    assert sorted(second) == list(range(7, 13))
+    for s in range(1, 13):
+        assert ({**first, **second})[s] == losses[s], (s, first, second, losses)
