@@ -11,6 +11,9 @@ are already on this machine (`pip install datasets transformers` and their cache
 nothing is downloaded unless you set HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0). Otherwise
 stories in the same style are generated from templates and tokenized by bytes (ids 0-255, and
 50256 as GPT-2's end-of-text), so the example always runs; the model keeps its vocabulary.
+Each rank reads and tokenizes only the stories of its own batches (``collate``): a story is
+a row of --block + 1 tokens (cut, or padded with end-of-text), and the loss is the mean over
+every rank's real tokens (``weight=``), so memory per rank does not grow with the ranks.
 
 On a CPU this is slow at the full shape: each step's output layer alone is about 160 GFLOP
 (batch 4 x 512 tokens x 256 x 50257, forward and backward); use --block 64 for a quick look.
@@ -19,8 +22,10 @@ Every rank reports its tokens/s, step time and peak memory; rank 0 gathers and p
 """
 
 import argparse
+import itertools
 import os
 import random
+import resource
 import time
 
 import mlx.core as mx
@@ -96,18 +101,22 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def loss_fn(model, tokens):
-    """Next-token cross-entropy: predict tokens[:, 1:] from tokens[:, :-1]."""
+def loss_fn(model, tokens, mask):
+    """Next-token cross-entropy, the mean over the real tokens: predict tokens[:, 1:] from
+    tokens[:, :-1]; returns (loss, number of real target tokens)."""
     logits = model(tokens[:, :-1])
-    return nn.losses.cross_entropy(logits, tokens[:, 1:], reduction="mean")
+    ce = nn.losses.cross_entropy(logits, tokens[:, 1:]) * mask[:, 1:]
+    ntoks = mask[:, 1:].sum()
+    return ce.sum() / ntoks, ntoks
 
 
 # --- the data -----------------------------------------------------------------------------
 
 
-def tinystories_tokens(n_tokens):
-    """GPT-2 tokens of the first TinyStories stories, when the dataset and tokenizer are cached
-    locally; None (and why) otherwise. Never downloads unless HF_HUB_OFFLINE=0 is set."""
+def tinystories():
+    """(stories, tokenize, source) for TinyStories with GPT-2's tokenizer, when both are cached
+    locally; (None, None, why) otherwise. Never downloads unless HF_HUB_OFFLINE=0 is set. The
+    dataset is memory-mapped: a rank reads only the rows it asks for."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
@@ -117,13 +126,8 @@ def tinystories_tokens(n_tokens):
         tokenizer = AutoTokenizer.from_pretrained("gpt2")
         stories = load_dataset("roneneldan/TinyStories", split="train")
     except Exception as e:  # not installed, or not cached: fall back to generated stories
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    tokens = []
-    for story in stories:
-        tokens += tokenizer(story["text"])["input_ids"] + [tokenizer.eos_token_id]
-        if len(tokens) >= n_tokens:
-            return np.array(tokens[:n_tokens], dtype=np.int32), "TinyStories, GPT-2 tokenizer"
-    return np.resize(np.array(tokens, dtype=np.int32), n_tokens), "TinyStories (repeated), GPT-2 tokenizer"
+        return None, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return stories, lambda text: tokenizer(text)["input_ids"], "TinyStories, GPT-2 tokenizer"
 
 
 NAMES = ["Lily", "Tom", "Mia", "Ben", "Sue", "Max", "Anna", "Tim", "Lucy", "Sam"]
@@ -160,12 +164,32 @@ def generated_story(rng):
     ])  # fmt: skip
 
 
-def generated_tokens(n_tokens, seed=0):
-    """Byte-level tokens (ids 0-255, EOS between stories) of generated stories."""
-    rng, tokens = random.Random(seed), []
-    while len(tokens) < n_tokens:
-        tokens += list(generated_story(rng).encode("utf-8")) + [EOS]
-    return np.array(tokens[:n_tokens], dtype=np.int32), "generated stories, byte-level tokens"
+class GeneratedStories:
+    """``n`` generated stories as a sequence ({"text": ...} items), each made when it is read."""
+
+    def __init__(self, n, seed=0):
+        self.n, self.seed = n, seed
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"text": generated_story(random.Random(self.seed * 1_000_003 + i))}
+
+
+def collate_with(tokenize, block):
+    """Stories -> (tokens, mask): a row of block + 1 tokens per story, end-of-text after it,
+    cut to length or padded with end-of-text (mask 0)."""
+
+    def collate(items):
+        tokens = np.full((len(items), block + 1), EOS, np.int32)
+        mask = np.zeros((len(items), block + 1), np.float32)
+        for i, item in enumerate(items):
+            row = (tokenize(item["text"]) + [EOS])[: block + 1]
+            tokens[i, : len(row)], mask[i, : len(row)] = row, 1
+        return mx.array(tokens), mx.array(mask)
+
+    return collate
 
 
 # --- training -----------------------------------------------------------------------------
@@ -186,15 +210,13 @@ def main():
     rank, world = du.local_rank(backend), du.total_workers(backend)
     log = print if rank == 0 else lambda *a, **k: None
 
-    # Sequences of block + 1 tokens (inputs and shifted targets), enough for --steps steps
-    # on every rank. Every rank builds the same array; the container hands each its share.
-    n_seq = args.steps * args.batch_size * world
-    n_tokens = n_seq * (args.block + 1)
-    tokens, source = tinystories_tokens(n_tokens) if args.data == "auto" else (None, "--data generated")
-    if tokens is None:
+    # The stories (lazy: a rank reads and tokenizes only those of its own batches).
+    stories, tokenize, source = tinystories() if args.data == "auto" else (None, None, "--data generated")
+    if stories is None:
         log(f"TinyStories not available locally ({source}); using generated stories")
-        tokens, source = generated_tokens(n_tokens, args.seed)
-    data = du.DistributedDataContainer(backend, tokens.reshape(n_seq, args.block + 1))
+        stories = GeneratedStories(args.steps * args.batch_size * world, args.seed)
+        tokenize, source = lambda text: list(text.encode("utf-8")), "generated stories, byte-level tokens"
+    data = du.DistributedDataContainer(backend, stories, collate=collate_with(tokenize, args.block))
 
     mx.random.seed(args.seed)
     model = Llama()
@@ -206,23 +228,25 @@ def main():
 
     loss_and_grad = nn.value_and_grad(model, loss_fn)
     step_times = []
-    for step, batch in enumerate(data.batches(args.batch_size, shuffle=True, seed=args.seed), 1):
+    batches = data.batches(args.batch_size, shuffle=True, seed=args.seed)
+    for step, (tokens, mask) in enumerate(itertools.islice(batches, args.steps), 1):
         tic = time.perf_counter()
-        loss, grads = loss_and_grad(model, batch)
-        opt.update(model, grads)  # gradients averaged across ranks, then AdamW
+        (loss, ntoks), grads = loss_and_grad(model, tokens, mask)
+        opt.update(model, grads, weight=ntoks)  # the mean over every rank's tokens, then AdamW
         mx.eval(loss, model.parameters(), opt.state)
         step_times.append(time.perf_counter() - tic)
-        mean_loss = du.allreduce(backend, loss, "avg").item()  # collective: every rank calls it
+        mean_loss = du.weighted_mean(backend, loss, ntoks)  # collective: every rank calls it
         if step == 1 or step % 5 == 0 or step == args.steps:
             log(f"step {step:4d}  loss {mean_loss:.3f}  {step_times[-1] * 1000:.0f} ms")
 
     # Throughput and memory per rank, gathered to every rank; rank 0 prints them.
     timed = step_times[1:] or step_times  # the first step includes warm-up
     step_s = float(np.mean(timed))
-    mine = mx.array([[args.batch_size * args.block / step_s, step_s * 1000, mx.get_peak_memory() / 2**20]])
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux (bytes on macOS)
+    mine = mx.array([[args.batch_size * args.block / step_s, step_s * 1000, mx.get_peak_memory() / 2**20, rss]])
     table = du.allgather(backend, mine).tolist()  # one row per rank, in rank order
-    for r, (tok_s, ms, mib) in enumerate(table):
-        log(f"rank {r}: {tok_s:8.0f} tokens/s  {ms:7.1f} ms/step  peak memory {mib:7.1f} MiB")
+    for r, (tok_s, ms, mib, rss_mib) in enumerate(table):
+        log(f"rank {r}: {tok_s:8.0f} tokens/s  {ms:7.1f} ms/step  peak memory {mib:7.1f} MiB  peak RSS {rss_mib:7.1f} MiB")
     log(f"total: {sum(row[0] for row in table):.0f} tokens/s on {world} ranks")
 
 

@@ -56,7 +56,7 @@ def test_llama_trains_and_reports_throughput_and_memory_per_rank():
     losses = [float(x) for x in re.findall(r"\[rank 0\] step +\d+  loss ([\d.]+)", run.stdout)]
     assert len(losses) == 2 and losses[-1] < losses[0], run.stdout
     for rank in (0, 1):  # gathered to rank 0, which prints a row per rank
-        assert re.search(rf"\[rank 0\] rank {rank}: +\d+ tokens/s +[\d.]+ ms/step  peak memory +[\d.]+ MiB", run.stdout)
+        assert re.search(rf"\[rank 0\] rank {rank}: +\d+ tokens/s +[\d.]+ ms/step  peak memory +[\d.]+ MiB  peak RSS", run.stdout)
     assert re.search(r"\[rank 0\] total: \d+ tokens/s on 2 ranks", run.stdout), run.stdout
 
 
@@ -75,13 +75,19 @@ def llama_example():
     return module
 
 
-def test_llama_generated_stories_are_tinystories_style_bytes(llama_example):
-    tokens, source = llama_example.generated_tokens(5000, seed=0)
-    assert tokens.shape == (5000,) and source.startswith("generated")
-    assert set(tokens.tolist()) <= set(range(256)) | {llama_example.EOS}
-    text = bytes(t for t in tokens.tolist() if t < 256).decode()
-    assert "there was a little" in text
-    assert (tokens == llama_example.generated_tokens(5000, seed=0)[0]).all()  # the same on every rank
+def test_llama_generated_stories_are_tinystories_style_and_made_when_read(llama_example):
+    stories = llama_example.GeneratedStories(1000, seed=0)
+    assert len(stories) == 1000 and "there was a little" in stories[7]["text"]
+    assert stories[7] == llama_example.GeneratedStories(1000, seed=0)[7]  # the same on every rank
+    assert stories[7] != stories[8]
+
+
+def test_llama_collate_makes_rows_of_a_block_with_a_mask(llama_example):
+    collate = llama_example.collate_with(lambda text: list(text.encode()), block=8)
+    tokens, mask = collate([{"text": "abc"}, {"text": "a long story here"}])
+    assert tokens.shape == mask.shape == (2, 9)
+    assert tokens[0].tolist() == [97, 98, 99, llama_example.EOS] + [llama_example.EOS] * 5
+    assert mask.tolist() == [[1, 1, 1, 1, 0, 0, 0, 0, 0], [1] * 9]  # cut to block + 1
 
 
 def test_llama_reads_tinystories_with_the_gpt2_tokenizer_when_they_are_cached(llama_example, monkeypatch):
@@ -106,9 +112,10 @@ def test_llama_reads_tinystories_with_the_gpt2_tokenizer_when_they_are_cached(ll
 
     monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(AutoTokenizer=Tokenizer))
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    tokens, source = llama_example.tinystories_tokens(12)
+    stories, tokenize, source = llama_example.tinystories()
     assert calls == [("tokenizer", "gpt2"), ("dataset", "roneneldan/TinyStories", "train")]
-    assert tokens.tolist() == [4, 4, 1, 4, 50256, 5, 3, 1, 3, 50256, 4, 4] and "TinyStories" in source
+    assert stories[1]["text"] == "there was a cat" and "TinyStories" in source
+    assert tokenize("Once upon a time") == [4, 4, 1, 4]
 
 
 def test_llama_falls_back_when_the_hub_is_unreachable(llama_example, monkeypatch):
@@ -120,8 +127,8 @@ def test_llama_falls_back_when_the_hub_is_unreachable(llama_example, monkeypatch
     tokenizer = types.SimpleNamespace(from_pretrained=lambda name: None)
     monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(AutoTokenizer=tokenizer))
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    tokens, why = llama_example.tinystories_tokens(100)
-    assert tokens is None and why.startswith("ConnectionError: Couldn't reach")
+    stories, tokenize, why = llama_example.tinystories()
+    assert stories is None and tokenize is None and why.startswith("ConnectionError: Couldn't reach")
 
 
 LORA = ROOT / "examples" / "lora.py"
