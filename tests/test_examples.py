@@ -158,7 +158,9 @@ def test_lora_example_steps_like_mlx_lm_trainer_and_resumes_exactly(backend, tmp
     pytest.importorskip("mlx_lm", reason="the LoRA example needs the lm extra: pip install '.[lm]'")
     import json
 
+    import mlx.core as mx
     import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
     from mlx_lm.tuner.trainer import TrainingArgs, train
     from tokenizers import Tokenizer
 
@@ -193,6 +195,13 @@ def test_lora_example_steps_like_mlx_lm_trainer_and_resumes_exactly(backend, tmp
           training_callback=Losses())  # fmt: skip
     for s in range(1, 13):
         assert abs(losses[s] - reported[s]) < 5e-4, (s, losses[s], reported[s])  # measured: 4e-5 at most
+
+    from mlx_lm.tuner.utils import load_adapters  # the adapters as mlx-lm reads them
+
+    adapted = load_adapters(ex.base_model(tokenizer.get_vocab_size()), str(tmp_path / "whole"))
+    saved = mx.load(str(tmp_path / "whole" / "adapters.safetensors"))
+    got = dict(tree_flatten(adapted.parameters()))
+    assert len(saved) == 28 and all(mx.array_equal(saved[k], got[k]).item() for k in saved)  # 2 layers x 7 x (a, b)
 
     _, first = lora(backend, tmp_path, "cut", "--iters", "6", "--save-every", "6")
     second_run, second = lora(backend, tmp_path, "cut", "--iters", "12", "--save-every", "6", "--resume")
