@@ -32,8 +32,9 @@ def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, weight=None, co
         weight: this rank's weight (a number or a 0-d mx.array, such as its count of tokens):
             the result is the weighted mean ``sum_r weight_r * g_r / sum_r weight_r`` (op
             "avg" only), so that with per-token-mean losses N ranks step exactly like one
-            process on the union of their tokens. The weights travel in the same collective
-            as the gradients. If every rank's weight is 0 the gradients are 0. Default None.
+            process on the union of their tokens. The weights travel packed with the gradients
+            (in the same collective as the float32 ones). If every rank's weight is 0 the
+            gradients are 0. Default None.
         compression: ``mx.bfloat16`` or ``mx.float16``: wider gradients travel in that dtype,
             pre-divided by the world size (so the sum cannot overflow), cast back after.
             MPIBackend has no 16-bit float type and sends float32 (rounding only). Default None.
@@ -60,7 +61,7 @@ def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, weight=None, co
         if op != "avg":
             raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {op!r}")
         weight = as_weight(weight)
-        leaves = [g * weight.astype(g.dtype) for g in leaves]
+        leaves = [_times(g, weight) for g in leaves]
     it = iter(reduce_leaves(backend, leaves, op=op, scale=scale, weight=weight, compression=compression,
                             bucket_bytes=bucket_bytes))  # fmt: skip
     return tree_map(lambda g: next(it) if isinstance(g, mx.array) else g, gradients)
@@ -151,12 +152,12 @@ class DistributedOptimizer(optim.Optimizer):
             ``update`` out of ``mx.compile`` then. Default 1.
         compression, bucket_bytes: as for ``reduce_gradients``.
         shard_optimizer_state: True keeps on each rank the optimizer state of its share (1/N)
-            of the parameters (ZeRO stage 1, see ``sharded.py``): the gradients are
-            reduce-scattered, each rank updates its share, and the parameters are all-gathered.
-            ``state`` then holds this rank's part, flat per dtype; checkpoints hold the whole
-            state (``whole_state``), and load into any world size, sharded or not. For
-            optimizers that work element by element (SGD, Adam, AdamW, Lion, RMSprop, Adagrad,
-            AdaDelta, Adamax); others are a ValueError. Default False.
+            of the parameters (ZeRO stage 1, see ``sharded.py``): the gradients are reduced,
+            each rank updates its share, and the parameters are all-gathered. ``state`` then
+            holds this rank's pieces, keyed by parameter; checkpoints hold the whole state
+            (``whole_state``), and load into any world size, sharded or not. For optimizers
+            that work element by element (SGD, Adam, AdamW, Lion, RMSprop, Adagrad, AdaDelta,
+            Adamax); others are a ValueError. Default False.
 
     Example: clip the averaged gradients before the rule::
 
@@ -182,7 +183,9 @@ class DistributedOptimizer(optim.Optimizer):
         self._first = True  # no reduction yet
         self._parameters_checked = False
         self._sum, self._weight, self._calls = None, None, 0  # the local sums of this accumulation cycle
-        self.shards = ShardedState(backend, optimizer, self._reduce_leaves, op == "avg", compression) if shard_optimizer_state else None
+        self.shards = None  # the sharded update, when the state is sharded
+        if shard_optimizer_state:
+            self.shards = ShardedState(backend, optimizer, self._reduce_leaves, op == "avg", compression)
 
     def __getattr__(self, name):  # only for names not found on the wrapper itself
         if name == "optimizer":

@@ -121,7 +121,9 @@ class ShardedState:
         layout = self._layout(leaves)
         # Nothing here holds the pieces while the all-gather evaluates the update: MLX can then
         # reuse their buffers for its results (as it does for an unsharded optimizer).
-        updated = self.optimizer.apply_gradients(self._my_gradients(leaves, scale, weight), layout.mine(dict(tree_flatten(parameters))))
+        mine = layout.mine(dict(tree_flatten(parameters)))
+        updated = self.optimizer.apply_gradients(self._my_gradients(leaves, scale, weight), mine)
+        del mine
         whole = {}
         for name in layout.groups:
             whole.update(layout.unflatten(allgather(self.backend, layout.part(updated, name)), name))
