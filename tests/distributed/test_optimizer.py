@@ -146,14 +146,19 @@ def test_accumulated_apply_gradients_returns_the_parameters_until_the_kth_call(b
     assert not mx.array_equal(second["layers"][0]["weight"], model.layers[0].weight).item()
 
 
-def test_frozen_layers_stay_frozen_and_the_rest_trains_like_one_process(backend):
+def train_with_the_first_layer_frozen(backend, opt):
+    """N ranks with ``opt`` (an Adam(1e-2)) and one process, the first layer frozen in both:
+    (the trained model, the one-process reference, the frozen weights)."""
     full, mine = reference_and_mine(backend, batch=2, steps=3)
     ref, model = mlp(), mlp()
     for m in (ref, model):
         m.layers[0].freeze()
     frozen = np.array(model.layers[0].weight)
-    expected = train(ref, optim.Adam(1e-2), full)
-    got = train(model, du.DistributedOptimizer(backend, optim.Adam(1e-2)), mine)
+    return train(model, opt, mine), train(ref, optim.Adam(1e-2), full), frozen
+
+
+def test_frozen_layers_stay_frozen_and_the_rest_trains_like_one_process(backend):
+    got, expected, frozen = train_with_the_first_layer_frozen(backend, du.DistributedOptimizer(backend, optim.Adam(1e-2)))
     assert_same_parameters(got, expected)
     assert np.array_equal(np.array(got.layers[0].weight), frozen)
 
