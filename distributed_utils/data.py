@@ -48,8 +48,7 @@ def batch_count(n: int, world_size: int, batch_size: int, drop_last: bool) -> in
 def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=()):
     """The global indices rank visits in this epoch, in order.
 
-    The epoch's order is ``range(n)``, or with ``shuffle`` one permutation drawn from
-    ``np.random.default_rng((seed, epoch))``, the same on every rank. Rank r reads that order
+    The epoch's order is ``epoch_order``'s, the same on every rank. Rank r reads that order
     from the start of its shard, wrapping around the end (``samples_per_rank`` items): without
     ``drop_last`` a rank whose shard is one item short repeats the next item (the first rank's
     for the last rank).
@@ -58,19 +57,16 @@ def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epo
     world size, as ``(world_size, batch_size, batches)``; their items are left out, and the
     rest of the epoch, in the same order, is sharded as above."""
     left = remaining_positions(n, done)
-    positions = left[_share(len(left), world_size, rank, batch_size, drop_last)]
-    if not shuffle:
-        return positions
-    return np.random.default_rng((seed, epoch)).permutation(n)[positions]
+    return epoch_order(n, shuffle, seed, epoch)[left[_share(len(left), world_size, rank, batch_size, drop_last)]]
 
 
 def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0):
     """``(indices, real)``: the global indices rank visits when every item must be visited
     exactly once (evaluation): its own shard of the epoch's order, then filler (its first item
     again) up to the same whole number of batches on every rank; ``real`` is False for filler."""
-    order = np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
+    order = epoch_order(n, shuffle, seed, epoch)
     start, stop = shard_bounds(n, world_size, rank)
-    total = -(-(-(-n // world_size)) // batch_size) * batch_size
+    total = batch_count(n, world_size, batch_size, False) * batch_size
     mine = order[start:stop]
     filler = np.full(total - len(mine), mine[0] if len(mine) else order[0])
     return np.concatenate([mine, filler]), np.arange(total) < len(mine)
@@ -88,6 +84,12 @@ def group_by_length(order, lengths, batch_size, real=None):
         chunk = out[s : min(s + run, count)]
         out[s : s + len(chunk)] = chunk[np.argsort(-np.asarray(lengths(chunk)), kind="stable")]
     return out
+
+
+def epoch_order(n, shuffle, seed, epoch) -> np.ndarray:
+    """The epoch's order of the ``n`` items: ``range(n)``, or with ``shuffle`` one permutation
+    drawn from ``np.random.default_rng((seed, epoch))``, the same on every rank."""
+    return np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
 
 
 def remaining_positions(n: int, done=()) -> np.ndarray:

@@ -14,7 +14,8 @@ from .api import allgather, allreduce_arrays, total_workers
 from .arrays import UINT_BY_SIZE
 from .backends import AbstractBackend
 from .sharded import ShardedState
-from .tree import GRADIENT_BUCKET_BYTES, buckets, describe, pack, unpack, verify_same_structure
+from .tree import GRADIENT_BUCKET_BYTES, buckets, check_floating, describe, pack, replace_arrays, unpack
+from .tree import verify_same_structure
 from .watchdog import evaluate
 
 
@@ -53,18 +54,16 @@ def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, weight=None, co
     # While MLX traces (mx.compile) nothing may talk eagerly: ranks may trace at different times.
     if verify and total_workers(backend) > 1 and evaluate([g for _, g in flat]):
         verify_same_structure(backend, describe_reduction(gradients, weight), what)
-    for key, g in flat:  # the same on every rank: the dtypes agree
-        if not mx.issubdtype(g.dtype, mx.inexact):
-            raise TypeError(f"{what}: gradient '{key}' has dtype {g.dtype}; gradients are floating")
+    check_floating(flat, what)  # after the check: the same on every rank, as the dtypes agree
     leaves = [g for _, g in flat]
     if weight is not None:
         if op != "avg":
             raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {op!r}")
         weight = as_weight(weight)
         leaves = [_times(g, weight) for g in leaves]
-    it = iter(reduce_leaves(backend, leaves, op=op, scale=scale, weight=weight, compression=compression,
-                            bucket_bytes=bucket_bytes))  # fmt: skip
-    return tree_map(lambda g: next(it) if isinstance(g, mx.array) else g, gradients)
+    reduced = reduce_leaves(backend, leaves, op=op, scale=scale, weight=weight, compression=compression,
+                            bucket_bytes=bucket_bytes)  # fmt: skip
+    return replace_arrays(gradients, reduced)
 
 
 def reduce_leaves(backend, leaves, *, op="avg", scale=1.0, weight=None, compression=None, bucket_bytes=None):
@@ -271,8 +270,8 @@ class DistributedOptimizer(optim.Optimizer):
     def _reduce(self, gradients, scale, weight, what):
         """``gradients`` (already multiplied by ``weight`` when given) reduced across ranks."""
         self._first_reduction(gradients, weight, what)
-        it = iter(self._reduce_leaves([g for _, g in tree_flatten(gradients) if isinstance(g, mx.array)], scale, weight))
-        return tree_map(lambda g: next(it) if isinstance(g, mx.array) else g, gradients)
+        leaves = [g for _, g in tree_flatten(gradients) if isinstance(g, mx.array)]
+        return replace_arrays(gradients, self._reduce_leaves(leaves, scale, weight))
 
     def _reduce_leaves(self, leaves, scale, weight):
         return reduce_leaves(self.backend, leaves, op=self.op if weight is None else "avg", scale=scale, weight=weight,

@@ -19,6 +19,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .api import allgather, allreduce_arrays, reduce_scatter_sum
+from .tree import check_floating
 
 #: Optimizers whose update is element by element: their state can be split anywhere.
 ELEMENTWISE = (optim.SGD, optim.Adam, optim.Lion, optim.RMSprop, optim.Adagrad, optim.AdaDelta, optim.Adamax)
@@ -208,9 +209,7 @@ class ShardedState:
 
 def _floating_leaves(tree, what):
     leaves = [(key, a) for key, a in tree_flatten(tree) if isinstance(a, mx.array)]
-    for key, a in leaves:
-        if not mx.issubdtype(a.dtype, mx.inexact):
-            raise TypeError(f"{what}: '{key}' has dtype {a.dtype}; sharded state needs floating parameters")
+    check_floating(leaves, what)
     return leaves
 
 

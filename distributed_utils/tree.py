@@ -18,7 +18,7 @@ import pickle
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from .api import allgather
 from .arrays import show, signature
@@ -34,6 +34,20 @@ class TreeMismatchError(ValueError):
 def array_leaves(tree) -> list:
     """``[(key, array), ...]``: the mx and numpy arrays of ``tree`` in flattening order."""
     return [(k, v) for k, v in tree_flatten(tree) if isinstance(v, (mx.array, np.ndarray))]
+
+
+def check_floating(leaves, what: str):
+    """Raise TypeError naming the first of ``leaves`` (``[(key, array), ...]``) whose dtype is
+    not floating: gradients, and the parameters an optimizer updates, are."""
+    for key, a in leaves:
+        if not mx.issubdtype(a.dtype, mx.inexact):
+            raise TypeError(f"{what}: '{key}' has dtype {a.dtype}; gradients and the parameters they update are floating")
+
+
+def replace_arrays(tree, arrays):
+    """``tree`` with its mx.array leaves, in flattening order, replaced by ``arrays``."""
+    it = iter(arrays)
+    return tree_map(lambda v: next(it) if isinstance(v, mx.array) else v, tree)
 
 
 # --- the packer ------------------------------------------------------------------------
