@@ -85,15 +85,26 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
     except TypeError as e:
         raise TypeError(f"save_checkpoint: step, data and extra must be JSON values: {e}") from None
     arrays["rng"] = allgather(backend, mx.random.state[0][None])
-    writing = _write_atomically(Path(path), arrays, meta_json) if backend.rank == 0 else None
+
+    def prune():
+        if keep is not None:
+            for old in _checkpoints_in(folder)[:-keep]:
+                old.unlink()
+
+    _root_writes(backend, Path(path), arrays, meta_json, then=prune)
+
+
+def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None):
+    """Collective: rank 0 writes ``arrays`` to ``path`` atomically, with heartbeats, then runs
+    ``then()``; every rank returns once that is done, or raises CheckpointError with rank 0's error."""
+    writing = _write_atomically(path, arrays, meta_json) if backend.rank == 0 else None
     if backend.rank != 0:
         _with_heartbeats(backend, None)  # until rank 0's last word
 
     def write():
         _with_heartbeats(backend, writing)
-        if keep is not None:
-            for old in _checkpoints_in(folder)[:-keep]:
-                old.unlink()
+        if then is not None:
+            then()
 
     root_runs(backend, write, 0, CheckpointError, f"write {path}")
 
@@ -326,17 +337,13 @@ def save_adapters(backend, path, model, config=None):
     CheckpointError if rank 0 could not write it."""
     check_backend(backend)
     path = Path(path)
-    arrays = dict(tree_flatten(model.trainable_parameters()))
-    writing = _write_atomically(path, arrays, json.dumps({"format": "adapters"})) if backend.rank == 0 else None
-    if backend.rank != 0:
-        _with_heartbeats(backend, None)
 
-    def write():
-        _with_heartbeats(backend, writing)
+    def write_config():
         if config is not None:
             (path.parent / "adapter_config.json").write_text(json.dumps(config, indent=4))
 
-    root_runs(backend, write, 0, CheckpointError, f"write {path}")
+    arrays = dict(tree_flatten(model.trainable_parameters()))
+    _root_writes(backend, path, arrays, json.dumps({"format": "adapters"}), then=write_config)
 
 
 def _whole_state(optimizer) -> dict:
