@@ -130,9 +130,11 @@ def forward(stream, out, report, rank=None):
         if not line.endswith((b"\n", b"\r")):  # a last line without its end: not glued to the next
             line += b"\n"
         if report.scan(line, line_rank, from_rank):
-            prefix = b"[rank %d] " % line_rank if line_rank is not None else b""
+            # a redraw ("\rbar") returns first, then draws with one prefix
+            body = line.lstrip(b"\r")
+            prefix = b"[rank %d] " % line_rank if line_rank is not None and body else b""
             with _print_lock:
-                out.write(prefix + line)
+                out.write(line[: len(line) - len(body)] + prefix + body)
                 out.flush()
         last_rank, redraw = line_rank, line.endswith(b"\r")
 

@@ -1,21 +1,19 @@
 """Shared fixtures. Tests under tests/distributed/ run twice: here as a world of one, and
 under ``du-launch`` with 2-4 processes (tests/test_multiprocess.py), every rank running the
-same tests in the same order."""
-
-import os
-import tempfile
-from pathlib import Path
+same tests in the same order. Under du-launch the library's pytest plugin
+(``distributed_utils/pytest_plugin.py``) gives each rank its own temporary directory, one
+hypothesis seed for every rank (new each job, in the header), and ends the job at a rank's
+first failure."""
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 import distributed_utils as du
 
-# Every rank must draw the same examples, and must not shrink on its own: a failure on one
-# rank would make it issue different collectives from the others.
+# Every rank must draw the same examples (the plugin seeds hypothesis with the job's seed), and
+# must not shrink on its own: a failure on one rank would make it issue different collectives.
 settings.register_profile(
     "ranks",
-    derandomize=True,
     database=None,
     deadline=None,
     max_examples=25,
@@ -26,19 +24,11 @@ settings.load_profile("ranks")
 
 
 def pytest_configure(config):
-    """Under du-launch, each rank gets its own temporary directory: ranks sharing pytest's
-    numbered directories would clean up each other's."""
     config.addinivalue_line(
         "markers",
         "world(min_size=1, backend=None): a test for worlds of at least min_size ranks (and of "
         "this backend class); deselected in the others, where it cannot mean anything",
     )
-    job = os.environ.get("DU_JOB_ID")
-    rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
-    if job and rank is not None and config.option.basetemp is None:
-        job_dir = Path(tempfile.gettempdir()) / f"du-tests-{job[:12]}"
-        job_dir.mkdir(exist_ok=True)
-        config.option.basetemp = str(job_dir / f"rank{rank}")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,6 @@
 """du-launch as a user runs it: results, rank prefixes, exit codes, concurrent jobs, bad arguments."""
 
+import re
 import subprocess
 import sys
 import threading
@@ -146,6 +147,7 @@ def test_ranks_write_to_a_pipe_and_their_last_lines_stay_whole(backend):
     run = launch(2, backend, ["python", "-c", OUTPUT], timeout=120, env={"COLUMNS": "70"})
     assert run.returncode == 3, run.stdout
     assert "\0" not in run.stdout
+    assert "] [rank" not in run.stdout, run.stdout  # one prefix per line, redraws included
     for r in range(2):
         assert f"[rank {r}] isatty False\n" in run.stdout, run.stdout
         assert f"[rank {r}] bar: 100%|" in run.stdout, run.stdout
@@ -160,3 +162,31 @@ def test_a_script_imports_the_modules_beside_it(backend, tmp_path):
     run = launch(2, backend, ["python", str(tmp_path / "main.py")], timeout=60)
     assert run.returncode == 0, run.stdout
     assert "[rank 0] answer 42" in run.stdout and "[rank 1] answer 42" in run.stdout, run.stdout
+
+
+FAILS_ON_RANK_1 = """
+import distributed_utils as du
+
+def test_first():
+    b = du.initialize()
+    if du.local_rank(b) == 1:
+        assert 1 + 1 == 3, "rank 1 disagrees"
+    du.barrier(b)  # rank 0 waits here for rank 1
+
+def test_second():
+    du.barrier(du.initialize())
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_test_failing_on_one_rank_ends_the_job_with_its_assertion(backend, tmp_path):
+    """The library's pytest plugin: the failing rank stops at once and shows its failure; the
+    job ends with that rank named, not at the watchdog's timeout with every rank blamed."""
+    (tmp_path / "test_rank.py").write_text(FAILS_ON_RANK_1)
+    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_rank.py")]
+    run = launch(2, backend, ["--timeout", "120", *command], timeout=240)
+    assert run.returncode == 1, run.stdout
+    assert re.search(r"\[rank 1\] E +AssertionError: rank 1 disagrees", run.stdout), run.stdout
+    assert "rank 1 failed" in run.stdout and "the other ranks cannot go on without it" in run.stdout, run.stdout
+    assert re.search(r"du-launch: rank 1 exited with code 1", run.stdout), run.stdout
+    assert "watchdog" not in run.stdout and "test_second" not in run.stdout, run.stdout

@@ -1,0 +1,56 @@
+"""A pytest plugin for running the same tests on every rank (``du-launch ... python -m pytest``);
+pytest loads it by itself wherever distributed_utils is installed, and it does nothing outside
+a job of several ranks. In one:
+
+- a test that fails on one rank ends that rank's session at once (like ``-x``), with pytest's
+  report of the failure: the rank exits 1, and du-launch (or mpirun, through
+  ``distributed_utils.run``) stops the others and names it, instead of the others waiting
+  in a collective the failed rank never joins until the watchdog ends the job;
+- each rank gets its own ``--basetemp`` (ranks sharing pytest's numbered directories would
+  remove each other's);
+- hypothesis draws from one seed shared by every rank, new for each job (its id), shown in the
+  header: ``DU_HYPOTHESIS_SEED=N`` (or ``--hypothesis-seed``) repeats a run. Every rank must
+  draw the same examples, or the ranks issue different collectives.
+"""
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from .backends import environment
+
+
+def _in_job() -> bool:
+    return (environment.expected_world_size() or 1) > 1
+
+
+@pytest.hookimpl(tryfirst=True)  # before hypothesis's own plugin reads its seed
+def pytest_configure(config):
+    if not _in_job():
+        return
+    job, rank = environment.job_id(), environment.launched_rank()
+    if config.option.basetemp is None:
+        job_dir = Path(tempfile.gettempdir()) / f"du-tests-{(job or str(os.getppid()))[:12]}"
+        job_dir.mkdir(exist_ok=True)
+        config.option.basetemp = str(job_dir / f"rank{rank}")
+    seed = os.environ.get("DU_HYPOTHESIS_SEED") or (job and str(int(job[:8], 16)))
+    if seed and getattr(config.option, "hypothesis_seed", "absent") is None:  # hypothesis there, no seed given
+        config.option.hypothesis_seed = seed
+
+
+def pytest_report_header(config):
+    seed = getattr(config.option, "hypothesis_seed", None)
+    if _in_job() and seed is not None:
+        return f"rank {environment.launched_rank()}: hypothesis seed {seed} (DU_HYPOTHESIS_SEED={seed} repeats it)"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and _in_job():
+        item.session.shouldfail = (
+            f"rank {environment.launched_rank()} failed {item.nodeid}: the other ranks cannot go on without it"
+        )
+    return report
