@@ -31,6 +31,7 @@ from .backends import (
 )
 from .checkpoint import CheckpointError, load_checkpoint, save_adapters, save_checkpoint
 from .data import DistributedDataContainer
+from .diloco import DiLoCo
 from .optimizer import DistributedOptimizer, reduce_gradients
 from .synchronize import synchronize
 from .tree import TreeMismatchError

@@ -25,7 +25,6 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .api import check_backend, allgather, bcast, root_runs
 from .arrays import UINT_BY_SIZE, show, to_mx
-from .optimizer import DistributedOptimizer
 from .synchronize import has_state, synchronize
 from .tree import describe
 
@@ -161,8 +160,8 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     mx.eval(arrays)
     if model is not None:
         model.update(tree_unflatten(_section(arrays, "model")))
-    if isinstance(optimizer, DistributedOptimizer):
-        optimizer.load_whole_state(tree_unflatten(_section(arrays, "optimizer")))
+    if hasattr(optimizer, "load_whole_state"):  # DistributedOptimizer, DiLoCo (which sets model's local parameters)
+        optimizer.load_whole_state(tree_unflatten(_section(arrays, "optimizer")), model)
     elif optimizer is not None:
         optimizer.state = tree_unflatten(_section(arrays, "optimizer"))
     if meta["world_size"] == backend.size:
@@ -347,8 +346,9 @@ def save_adapters(backend, path, model, config=None):
 
 
 def _whole_state(optimizer) -> dict:
-    """The optimizer's state, per parameter (collective for a sharded DistributedOptimizer)."""
-    return optimizer.whole_state() if isinstance(optimizer, DistributedOptimizer) else optimizer.state
+    """The optimizer's state, per parameter (collective for a sharded DistributedOptimizer and
+    for DiLoCo, whose ranks' states differ)."""
+    return optimizer.whole_state() if hasattr(optimizer, "whole_state") else optimizer.state
 
 
 def _optimizer_name(optimizer) -> str:

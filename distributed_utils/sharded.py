@@ -177,13 +177,13 @@ class ShardedState:
         state, self._pending = self._pending, None
         mine = {k: v for k, v in state.items() if not isinstance(v, (dict, list))}  # step, learning rate
         for key, (_, a, b) in self.layout.pieces.items():
-            mine[key] = {entry: v.reshape(-1)[a:b] for entry, v in _at(state, key).items()}
+            mine[key] = {entry: v.reshape(-1)[a:b] for entry, v in at_key(state, key).items()}
         self.optimizer.state = mine
 
     def _my_gradients(self, leaves, scale, weight) -> dict:
         """This rank's pieces of the reduced gradients."""
         layout = self.layout
-        if not self.backend.native_reduce_scatter:
+        if not self.backend.native_reduce_scatter or self.compression == "int8":  # (int8: scales travel first)
             reduced = self.reduce([a for _, a in leaves], scale, weight)
             return layout.mine(dict(zip([key for key, _ in leaves], reduced)))
         if weight is not None:  # (a reduce-scatter cannot carry the weights along)
@@ -213,7 +213,7 @@ def _floating_leaves(tree, what):
     return leaves
 
 
-def _at(tree, key: str):
+def at_key(tree, key: str):
     """The value at ``key`` ("layers.0.weight") of a nested dict/list tree."""
     for part in key.split("."):
         tree = tree[int(part)] if isinstance(tree, list) else tree[part]

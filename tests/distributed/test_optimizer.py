@@ -234,6 +234,28 @@ def test_compression_is_close_to_float32_but_rounded(backend, compression, op):
             assert not mx.array_equal(out[key], exact[key]).item()
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_int8_compression_is_within_half_a_level_of_the_exact_mean(backend, weighted):
+    """Each array travels as int8 in 127 // N levels of its largest magnitude over the ranks:
+    each rank's rounding is at most half a level, so the mean is off by at most that."""
+    rank, n = du.local_rank(backend), du.total_workers(backend)
+    grads = {"w": contribution(rank, (50, 40)), "b": contribution(rank, (40,), seed=1).astype(mx.float16),
+             "zero": mx.zeros((3,))}  # fmt: skip
+    weight = rank + 1 if weighted else None
+    exact = du.reduce_gradients(backend, grads, weight=weight)
+    out = du.reduce_gradients(backend, grads, weight=weight, compression="int8")
+    total = n * (n + 1) / 2 if weighted else n
+    for key, g in grads.items():
+        largest = du.allreduce(backend, mx.max(mx.abs(g.astype(mx.float32) * (weight or 1))), "max").item()
+        bound = n * largest / (127 // n) / 2 / total
+        assert out[key].dtype == g.dtype
+        error = np.abs(np.array(out[key].astype(mx.float32)) - np.array(exact[key].astype(mx.float32)))
+        assert error.max() <= bound * 1.01 + (1e-3 if g.dtype == mx.float16 else 1e-6), key
+        if n > 1 and key != "zero":  # in a world of one, unweighted, nothing travels
+            assert error.max() > 0, key
+    assert (np.array(out["zero"]) == 0).all()
+
+
 def test_compression_pre_divides_so_that_large_sums_do_not_overflow(backend):
     n = du.total_workers(backend)
     grads = {"w": mx.full((8,), 60000.0)}  # float16's largest value is 65504
@@ -317,7 +339,7 @@ def test_synchronize_gives_every_rank_roots_state(backend):
 
 @pytest.mark.parametrize("kwargs, error", [
     ({"op": "max"}, ValueError), ({"accumulate_steps": 0}, ValueError),
-    ({"compression": mx.int8}, ValueError), ({"compression": "float16"}, ValueError),
+    ({"compression": mx.int16}, ValueError), ({"compression": "float8"}, ValueError),
 ])  # fmt: skip
 def test_bad_arguments_are_refused(backend, kwargs, error):
     with pytest.raises(error):

@@ -1,0 +1,198 @@
+"""DiLoCo, alone (a world of one) and under the launcher. Every rank knows every rank's data
+(generated from fixed seeds), so each computes the N-rank reference itself: N inner optimizers
+in one process, the pseudo-gradients averaged with numpy, the outer optimizer applied."""
+
+import copy
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx.utils import tree_flatten, tree_unflatten
+
+import distributed_utils as du
+from distributed_utils import watchdog
+
+from test_optimizer import mlp
+
+
+def loss_fn(model, x, y):
+    return nn.losses.mse_loss(model(x), y, reduction="mean")
+
+
+def rank_data(rank, steps, batch=4, seed=0):
+    """Rank ``rank``'s batches: its own rows, so the ranks' local trajectories differ."""
+    rng = np.random.default_rng(seed + 7919 * rank)
+    x = rng.standard_normal((steps * batch, 4)).astype(np.float32)
+    y = np.stack([np.sin(x[:, 0] + x[:, 1]), x[:, 2] * x[:, 3]], axis=1).astype(np.float32)
+    return [(mx.array(x[s * batch : (s + 1) * batch]), mx.array(y[s * batch : (s + 1) * batch])) for s in range(steps)]
+
+
+def train(backend, opt, steps, model=None, weights=None, seed=0, start=0, after_step=None):
+    """``steps`` updates of ``model`` on this rank's data; the collectives each made."""
+    model = model or mlp()
+    lg = nn.value_and_grad(model, loss_fn)
+    made = []
+    for s, (x, y) in enumerate(rank_data(du.local_rank(backend), steps, seed=seed)[start:], start):
+        _, grads = lg(model, x, y)
+        before = watchdog._state.seq
+        opt.update(model, grads, **({} if weights is None else {"weight": weights(du.local_rank(backend), s)}))
+        mx.eval(model.parameters(), opt.state)
+        made.append(watchdog._state.seq - before)
+        if after_step:
+            after_step(s + 1, model)
+    return model, made
+
+
+def flat(model) -> np.ndarray:
+    return np.concatenate([np.array(p).ravel() for _, p in tree_flatten(model.parameters())])
+
+
+def replicas_agree(backend, values) -> bool:
+    everyone = du.allgather(backend, values[None])
+    return bool((everyone.view(np.uint32) == everyone[0].view(np.uint32)).all())
+
+
+def reference(n, inner, outer, sync_every, steps, weights=None, seed=0):
+    """N ranks' DiLoCo in one process (fragments=1): the global parameters after ``steps``."""
+    models = [mlp() for _ in range(n)]
+    inners = [copy.deepcopy(inner) for _ in range(n)]
+    global_ = dict(tree_flatten(mlp().parameters()))
+    data = [rank_data(r, steps, seed=seed) for r in range(n)]
+    seen = np.zeros(n)
+    for s in range(steps):
+        for r in range(n):
+            _, grads = nn.value_and_grad(models[r], loss_fn)(models[r], *data[r][s])
+            inners[r].update(models[r], grads)
+            seen[r] += 1.0 if weights is None else weights(r, s)
+        if (s + 1) % sync_every == 0:
+            locals_ = [dict(tree_flatten(m.parameters())) for m in models]
+            share = seen / seen.sum()
+            pseudo = {k: mx.array(sum(share[r] * (np.array(global_[k]) - np.array(locals_[r][k])) for r in range(n)))
+                      for k in global_}  # fmt: skip
+            global_ = outer.apply_gradients(pseudo, global_)
+            for m in models:
+                m.update(tree_unflatten(list(global_.items())))
+            seen[:] = 0
+    return np.concatenate([np.array(global_[k]).ravel() for k, _ in tree_flatten(mlp().parameters())])
+
+
+# ---- the steps: no collective between syncs, the outer step as defined ----
+
+
+def test_a_step_between_syncs_makes_no_collective(backend):
+    opt = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=4)
+    _, made = train(backend, opt, 12)
+    first = 1 if du.total_workers(backend) > 1 else 0  # the first update checks the starting parameters
+    syncs = 2 if du.total_workers(backend) > 1 else 0  # the structure check, one bucket
+    assert made == [first, 0, 0, syncs, 0, 0, 0, syncs, 0, 0, 0, syncs]
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_outer_step_averages_the_pseudo_gradients_as_defined(backend, weighted):
+    """N ranks against the definition computed in one process. Not bit for bit: the transport
+    sums the ranks' pseudo-gradients in its own order and scales before or after the sum."""
+    weights = (lambda r, s: float(1 + (r + s) % 3)) if weighted else None
+    outer = lambda: optim.SGD(0.7, momentum=0.9, nesterov=True)  # noqa: E731
+    got, _ = train(backend, du.DiLoCo(backend, optim.Adam(1e-2), outer_optimizer=outer(), sync_every=3),
+                   9, weights=weights)  # fmt: skip
+    expected = reference(du.total_workers(backend), optim.Adam(1e-2), outer(), 3, 9, weights)
+    np.testing.assert_allclose(flat(got), expected, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(expected, flat(mlp()))
+
+
+@settings(max_examples=8)
+@given(lr=st.floats(1e-3, 0.5), steps=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_local_sgd_that_syncs_every_step_steps_like_distributed_sgd(backend, lr, steps, seed):
+    """sync_every=1, outer SGD(1.0), inner SGD: the pseudo-gradient is lr times the gradient,
+    up to rounding (p - (p - lr g) is not lr g in floating point), so a tolerance."""
+    diloco = du.DiLoCo(backend, optim.SGD(lr), outer_optimizer=optim.SGD(1.0), sync_every=1)
+    got, _ = train(backend, diloco, steps, seed=seed)
+    expected, _ = train(backend, du.DistributedOptimizer(backend, optim.SGD(lr)), steps, seed=seed)
+    np.testing.assert_allclose(flat(got), flat(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_replicas_are_identical_right_after_each_sync_and_differ_between(backend):
+    checked = []
+
+    def check(step, model):
+        checked.append((step, replicas_agree(backend, flat(model))))
+
+    train(backend, du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=3), 7, after_step=check)
+    n = du.total_workers(backend)
+    assert checked == [(s, s % 3 == 0 or n == 1) for s in range(1, 8)]
+
+
+def test_fragments_sync_in_turn_each_every_h_steps(backend):
+    """H=4, F=2: the parameters cut into two runs of about equal bytes (the first layer's
+    32-value weight; its bias and the second layer, 26 values); fragment 0 syncs at steps 2
+    and 6, fragment 1 at 4 and 8; right after its sync a fragment is identical on every rank."""
+    synced = []
+
+    def check(step, model):
+        params = dict(tree_flatten(model.parameters()))
+        rest = np.concatenate([np.array(params[k]).ravel() for k in ("layers.0.bias", "layers.2.weight", "layers.2.bias")])
+        synced.append((replicas_agree(backend, np.array(params["layers.0.weight"]).ravel()), replicas_agree(backend, rest)))
+
+    opt = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=4, fragments=2)
+    _, made = train(backend, opt, 8, after_step=check)
+    if du.total_workers(backend) > 1:
+        assert [m > 0 for m in made[1:]] == [s % 2 == 0 for s in range(2, 9)]
+        assert synced == [(False, False), (True, False), (False, False), (False, True)] * 2
+
+
+@pytest.mark.parametrize("compression", ["bfloat16", "int8"])
+def test_compressed_pseudo_gradients_keep_replicas_identical_and_close(backend, compression):
+    opt = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=2, compression=compression)
+    got, _ = train(backend, opt, 6)
+    exact, _ = train(backend, du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=2), 6)
+    assert replicas_agree(backend, flat(got))
+    np.testing.assert_allclose(flat(got), flat(exact), atol=2e-2)
+
+
+def test_a_checkpoint_between_syncs_resumes_bit_for_bit(backend, tmp_path):
+    """Saved at step 5 of 8 (sync every 3, weighted): the resumed run ends where the
+    uninterrupted one does, bit for bit on every rank."""
+    path = du.bcast(backend, str(tmp_path / "diloco.safetensors"))
+    weights = lambda r, s: float(1 + r + s % 2)  # noqa: E731
+    make = lambda: du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=3, fragments=1)  # noqa: E731
+    saved = {}
+
+    def save(step, model):
+        if step == 5:
+            du.save_checkpoint(backend, path, model=model, optimizer=opt, step=step)
+            saved["params"] = flat(model)
+
+    opt = make()
+    whole, _ = train(backend, opt, 8, weights=weights, after_step=save)
+    resumed_opt, model = make(), mlp(seed=1)  # other parameters: the checkpoint must set them
+    state = du.load_checkpoint(backend, path, model=model, optimizer=resumed_opt)
+    assert state["step"] == 5 and (flat(model) == saved["params"]).all()
+    resumed, _ = train(backend, resumed_opt, 8, model=model, weights=weights, start=5)
+    assert (flat(resumed).view(np.uint32) == flat(whole).view(np.uint32)).all()
+
+
+# ---- bad input ----
+
+
+@pytest.mark.parametrize(
+    "make,error,words",
+    [
+        (lambda b: du.DiLoCo(b, optim.SGD(0.1), sync_every=0), ValueError, "sync_every must be an int >= 1"),
+        (lambda b: du.DiLoCo(b, optim.SGD(0.1), sync_every=2, fragments=3), ValueError, "more than sync_every"),
+        (lambda b: du.DiLoCo(b, optim.SGD(0.1), outer_optimizer="sgd"), TypeError, "outer_optimizer must be"),
+        (lambda b: du.DiLoCo(b, du.DistributedOptimizer(b, optim.SGD(0.1))), TypeError, "already distributed"),
+        (lambda b: du.DiLoCo(b, optim.SGD(0.1), compression="int4"), ValueError, "compression must be"),
+        (lambda b: train(b, du.DiLoCo(b, optim.SGD(0.1), sync_every=8, fragments=5), 1), ValueError,
+         "only 4 parameter arrays"),
+        (lambda b: train(b, du.DiLoCo(b, optim.SGD(0.1)), 2, weights=lambda r, s: 1.0 if s == 0 else None),
+         ValueError, "weight= to every update or to none"),
+    ],
+    ids=["sync_every", "fragments>H", "outer", "distributed-inner", "compression", "fragments>arrays", "weight"],
+)
+def test_bad_input_is_a_clear_error_on_every_rank(backend, make, error, words):
+    with pytest.raises(error, match=words):
+        make(backend)
