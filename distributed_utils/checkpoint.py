@@ -17,6 +17,8 @@ import json
 import os
 import struct
 import time
+import warnings
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -202,12 +204,15 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str):
     for stale in glob.glob(str(path.parent / f".{path.name}.tmp-*")):  # left by a killed job
         os.remove(stale)
     mx.eval(list(arrays.values()))
-    buffers, header, offset = [], {"__metadata__": {"distributed_utils": meta_json}}, 0
+    buffers, header, offset, crcs = [], {}, 0, {}
     for key, a in arrays.items():
         raw = np.asarray(a.reshape(-1).view(UINT_BY_SIZE[a.dtype.size]) if a.size else mx.zeros(0, mx.uint8))
         header[key] = {"dtype": _CODES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + raw.nbytes]}
         buffers.append(raw)
         offset += raw.nbytes
+        crcs[key] = zlib.crc32(raw)
+        yield
+    header["__metadata__"] = {"distributed_utils": meta_json, "crc32": json.dumps(crcs)}
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)  # safetensors aligns the data to 8 bytes
     buffers.insert(0, np.frombuffer(struct.pack("<Q", len(head)) + head, np.uint8))
@@ -252,18 +257,44 @@ def _checkpoints_in(folder: Path) -> list:
 
 
 def _find_and_read(path: Path):
-    """The checkpoint at ``path`` (the newest one when it is a directory of them) and its
-    header (None when there is none)."""
-    if path.is_dir():
-        found = _checkpoints_in(path)
-        if not found:
-            return path, None
-        path = found[-1]
-    return path, _read_header(path)
+    """The checkpoint at ``path`` and its header (None when there is none), its checksums
+    verified; when ``path`` is a directory of them, the newest intact one (warning of those
+    skipped)."""
+    if not path.is_dir():
+        return path, _verified(path, _read_header(path))
+    errors = []
+    for candidate in reversed(_checkpoints_in(path)):
+        try:
+            header = _verified(candidate, _read_header(candidate))
+        except CheckpointError as e:
+            errors.append(str(e))
+            continue
+        if errors:
+            warnings.warn(f"skipped {len(errors)} newer damaged checkpoints, loading {candidate}: {'; '.join(errors)}")
+        return candidate, header
+    if errors:
+        raise CheckpointError(f"no intact checkpoint in {path}: {'; '.join(errors)}")
+    return path, None
+
+
+def _verified(path: Path, header):
+    """``header``, once every array's bytes in ``path`` match the checksum saved with it."""
+    if header is None:
+        return None
+    meta, entries, crcs = header
+    if crcs is None:
+        warnings.warn(f"{path} was written without checksums (by an older version): loaded unverified")
+        return meta, entries
+    blob = np.memmap(path, np.uint8, mode="r")
+    start = 8 + struct.unpack("<Q", blob[:8].tobytes())[0]
+    for key, (_, _, (a, b)) in entries.items():
+        if zlib.crc32(blob[start + a : start + b]) != crcs.get(key):
+            raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
+    return meta, entries
 
 
 def _read_header(path: Path):
-    """``(meta, {key: (dtype code, shape, (start, end))})``, or None when there is no file;
+    """``(meta, {key: (dtype code, shape, (start, end))}, {key: crc32} or None)``, or None when there is no file;
     a CheckpointError naming what is wrong for a file that is not a complete checkpoint."""
     if not path.exists():
         return None
@@ -274,7 +305,9 @@ def _read_header(path: Path):
             raise CheckpointError(f"{path} is not a complete checkpoint (truncated header)")
         try:
             header = json.loads(f.read(n))
-            meta = json.loads(header.pop("__metadata__")["distributed_utils"])
+            saved = header.pop("__metadata__")
+            meta = json.loads(saved["distributed_utils"])
+            crcs = json.loads(saved["crc32"]) if "crc32" in saved else None
         except (KeyError, TypeError, ValueError, AttributeError):
             raise CheckpointError(f"{path} is not a distributed_utils checkpoint (no metadata)") from None
     missing = {"format", "step", "extra", "world_size", "data", "optimizer"} - set(meta)
@@ -294,7 +327,7 @@ def _read_header(path: Path):
                 f"has data_offsets {[start, end]} in a file of {size} bytes"
             )
         entries[key] = (code, shape, (start, end))
-    return meta, entries
+    return meta, entries, crcs
 
 
 def _read_arrays(path: Path, entries) -> dict:

@@ -1,6 +1,9 @@
 """Bad input gets the same clear error on every rank (never a hang), and checkpoints round-trip
 exactly, on every rank. (The watchdog and dead ranks: tests/test_reliability.py.)"""
 
+import json
+import warnings
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -35,6 +38,22 @@ def load_truncated(backend, tmp):
     data = (tmp / "ck").read_bytes() if backend.rank == 0 else b""
     (tmp / "ck").write_bytes(data[: len(data) // 2])
     du.load_checkpoint(backend, tmp / "ck", model=nn.Linear(3, 4))
+
+
+def flip_a_byte(path, key):
+    """Flip one bit in the middle of ``key``'s bytes in the checkpoint at ``path`` (rank 0's)."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8 : 8 + n])[key]["data_offsets"]
+    data[8 + n + (start + end) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def load_a_flipped_byte(backend, tmp):
+    du.save_checkpoint(backend, tmp / "ck", model=nn.Linear(30, 40))
+    if backend.rank == 0:
+        flip_a_byte(tmp / "ck", "model.weight")
+    du.load_checkpoint(backend, tmp / "ck", model=nn.Linear(30, 40))
 
 
 class _Optimizer(optim.SGD):
@@ -76,6 +95,8 @@ BAD_INPUT = [
     ("a checkpoint of another model", checkpoint_then_load_other_model, False, du.CheckpointError,
      "does not fit the model: at 'weight'"),
     ("a truncated checkpoint", load_truncated, False, du.CheckpointError, "is not a complete checkpoint"),
+    ("a flipped bit in a checkpoint", load_a_flipped_byte, False, du.CheckpointError,
+     "ck is damaged: the bytes of 'model.weight' do not match their checksum"),
     ("a checkpoint value that is not JSON", lambda b, t: du.save_checkpoint(b, t / "ck", extra={1j}), False,
      TypeError, "must be JSON values"),
 ]  # fmt: skip
@@ -149,3 +170,40 @@ def test_the_watchdog_numbers_and_describes_collectives(backend):
     assert report("allreduce_arrays", ("sum",), grads) == (
         "allreduce_arrays(sum) [5 arrays: float32(3,), float32(3,), float32(3,), ...]")
     assert report("bcast_object", ("root=0",), None) == "bcast_object(root=0)"
+
+
+def test_a_directory_of_checkpoints_falls_back_to_the_newest_intact_one(backend, tmp_path):
+    folder = du.bcast(backend, str(tmp_path / "cks"))
+    for step in (1, 2, 3):
+        model = nn.Linear(3, 4)
+        model.update({"bias": mx.full((4,), float(step))})
+        du.save_checkpoint(backend, folder, model=model, step=step, keep=3)
+    if du.local_rank(backend) == 0:
+        flip_a_byte(next(p for p in tmp_path.joinpath("cks").iterdir() if p.name.endswith("3.safetensors")), "model.bias")
+    model = nn.Linear(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = du.load_checkpoint(backend, folder, model=model)
+    assert state["step"] == 2 and (np.array(model.bias) == 2.0).all()
+    if du.local_rank(backend) == 0:  # rank 0 reads the files, and warns
+        assert any("skipped 1 newer damaged checkpoints" in str(w.message) and "model.bias" in str(w.message)
+                   for w in caught), [str(w.message) for w in caught]  # fmt: skip
+
+
+def test_a_checkpoint_without_checksums_loads_unverified(backend, tmp_path):
+    """Files written before checksums: their metadata has none; they load, with a warning."""
+    path = du.bcast(backend, str(tmp_path / "old"))
+    du.save_checkpoint(backend, path, model=nn.Linear(3, 4), step=5)
+    if du.local_rank(backend) == 0:
+        data = (tmp_path / "old").read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + n])
+        del header["__metadata__"]["crc32"]
+        head = json.dumps(header).encode()
+        head += b" " * (-len(head) % 8)
+        (tmp_path / "old").write_bytes(len(head).to_bytes(8, "little") + head + data[8 + n :])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert du.load_checkpoint(backend, path, model=nn.Linear(3, 4))["step"] == 5
+    if du.local_rank(backend) == 0:
+        assert any("written without checksums" in str(w.message) for w in caught)
