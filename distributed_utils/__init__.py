@@ -33,6 +33,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_adapters, save_ch
 from .data import DistributedDataContainer
 from .diloco import DiLoCo
 from .optimizer import DistributedOptimizer, reduce_gradients
+from .preemption import preempted
 from .synchronize import synchronize
 from .tree import TreeMismatchError
 from .watchdog import watch

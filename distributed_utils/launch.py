@@ -28,6 +28,9 @@ from .backends.environment import job_environment, listen_error
 from .supervise import log, spawn, supervise
 
 BACKENDS = ("mpi", "ring", "mlx-mpi")
+#: du-launch's exit code when a SIGTERM or SIGUSR1 preempted the job and its ranks ended in time:
+#: sysexits' EX_TEMPFAIL, "try again later", for a scheduler to requeue on.
+PREEMPTED_EXIT = 75
 PROBE_SECONDS = 30  # for a remote host to run `true` through the remote shell
 DEFAULT_REMOTE_SHELL = "ssh {host}"
 
@@ -42,9 +45,13 @@ def main(argv=None):
         with tempfile.TemporaryDirectory(prefix="du-reports-") as report_dir:
             env = job_environment(args.backend, len(hosts), report_dir, args.timeout, args.debug, attempt)
             if args.backend == "ring":
-                code, report, failure = run_ring(hosts, args.command, env, args.remote_shell, args.port)
+                code, report, failure = run_ring(hosts, args.command, env, args.remote_shell, args.port, args.grace)
             else:
                 code, report, failure = run_mpirun(hosts, args, env)
+        if report.preempted is not None:
+            log(f"the job was preempted ({signal.Signals(report.preempted).name}) and "
+                + ("ended within the grace period" if failure is None else f"then failed (exit code {code})"))
+            sys.exit(PREEMPTED_EXIT if failure is None else code)
         if failure is None:
             sys.exit(0)
         if args.max_restarts:
@@ -85,6 +92,11 @@ def parse_args(argv):
         help="start (or restart) without the ranks of hosts that cannot be reached, if at least M ranks are left "
         "(default: every rank or none)",
     )  # fmt: skip
+    p.add_argument(
+        "--grace", type=float, default=30, metavar="SECONDS",
+        help="after a SIGTERM or SIGUSR1 (preemption), forwarded to the ranks, wait this long for the job to end "
+        f"before stopping it; exit code {PREEMPTED_EXIT} if it ended in time (default: 30; 0: stop at once)",
+    )  # fmt: skip
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program every rank runs")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -103,6 +115,8 @@ def parse_args(argv):
         p.error(f"--min-ranks must be at least 1, got {args.min_ranks}")
     if args.max_restarts < 0:
         p.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not args.grace >= 0:
+        p.error(f"--grace must be >= 0 seconds, got {args.grace}")
     if args.timeout is not None and not args.timeout >= 0:
         p.error(f"--timeout must be >= 0 seconds (0: never), got {args.timeout}")
     if args.backend != "ring" and not args.remote_shell.rstrip().endswith("{host}"):
@@ -179,7 +193,7 @@ def unreachable(hosts, remote_shell) -> dict:
 # --- ring: the launcher starts every process itself ------------------------------------
 
 
-def run_ring(hosts, command, env, remote_shell, port=None):
+def run_ring(hosts, command, env, remote_shell, port=None, grace=0):
     ips = [resolve(h) for h in hosts]
     ports = fixed_ports(ips, port) if port is not None else free_ports(ips)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="du-ring-") as hostfile:
@@ -197,7 +211,8 @@ def run_ring(hosts, command, env, remote_shell, port=None):
                 remote = f"cd {shlex.quote(os.getcwd())} && env {exports} {shlex.join(command)}"
                 argv, popen_env = shlex.split(remote_shell.format(host=host)) + [remote], None
             procs.append(spawn(argv, popen_env))
-        return supervise(procs, len(hosts), report_dir=env["DU_REPORT_DIR"])
+            procs[-1].remote = not is_local(ip)
+        return supervise(procs, len(hosts), report_dir=env["DU_REPORT_DIR"], grace=grace)
 
 
 def resolve(host):
@@ -269,7 +284,7 @@ def run_mpirun(hosts, args, env):
             cmd.append("--oversubscribe")
         # SIGTERM, not SIGKILL, when du-launch dies: mpirun then stops the ranks itself
         proc = spawn(cmd + abort_on_failure(args.command), {**os.environ, **env}, die_with_launcher=signal.SIGTERM)
-        return supervise([proc], len(hosts), tagged=True, report_dir=env["DU_REPORT_DIR"])
+        return supervise([proc], len(hosts), tagged=True, report_dir=env["DU_REPORT_DIR"], grace=args.grace)
 
 
 def abort_on_failure(command):

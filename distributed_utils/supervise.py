@@ -65,6 +65,7 @@ class Report:
         self.finished, self.peer_lost, self.watchdog, self.stopped = set(), set(), set(), set()
         self.failed_rank = self.signal = None
         self.lost_host = False
+        self.preempted = None  # the signal that preempted the job
         self.failure = threading.Event()
 
     def scan(self, line, rank, from_rank) -> bool:
@@ -158,9 +159,10 @@ class Failure:
         self.code, self.rank, self.how = code, rank, how
 
 
-def supervise(procs, world_size, tagged=False, report_dir=None):
+def supervise(procs, world_size, tagged=False, report_dir=None, grace=0):
     """Wait for every process; when one fails, stop the rest. Returns (exit code, Report,
-    Failure or None). ``tagged``: ``procs`` is one mpirun, which stops the ranks itself."""
+    Failure or None). ``tagged``: ``procs`` is one mpirun, which stops the ranks itself;
+    ``grace``: see ``stop_on_signals``."""
     report = Report(world_size)
     readers = {}  # rank (0 for mpirun) -> the threads reading its output
     for rank, p in enumerate(procs):
@@ -168,7 +170,7 @@ def supervise(procs, world_size, tagged=False, report_dir=None):
             t = threading.Thread(target=forward, args=(stream, out, report, None if tagged else rank), daemon=True)
             t.start()
             readers.setdefault(rank, []).append(t)
-    stop_on_signals(procs)
+    stop_on_signals(procs, report, grace)
     failure = wait_mpirun(procs[0], report) if tagged else wait_ranks(procs, report, readers)
     deadline = time.monotonic() + GRACE_SECONDS  # for the output still in the pipes
     for t in [t for ts in readers.values() for t in ts]:  # (a process on a lost host may hold them open)
@@ -288,18 +290,46 @@ def stop(procs, signals=(signal.SIGTERM, signal.SIGKILL)):
                 pass
 
 
-def stop_on_signals(procs):
-    """Ctrl-C, SIGTERM or SIGHUP (a closed terminal or ssh session) to the launcher stops the
-    whole job. (A SIGKILL cannot be caught: then the ranks stop themselves, see ``spawn``.)"""
+def stop_on_signals(procs, report, grace=0):
+    """Ctrl-C or SIGHUP (a closed terminal or ssh session) to the launcher stops the whole job.
+    SIGTERM or SIGUSR1 (a scheduler's preemption) is forwarded to the ranks as SIGUSR1 (see
+    ``preemption.py``; mpirun forwards it to its ranks), and the job gets ``grace`` seconds to
+    end by itself before it is stopped (0: SIGTERM stops it at once). (A SIGKILL cannot be
+    caught: then the ranks stop themselves, see ``spawn``.)"""
 
     def handler(signum, frame):
         log(f"received {signal.Signals(signum).name}; stopping all ranks")
         stop(procs)
         os._exit(128 + signum)  # from any thread's wait: no restart after this
 
+    def preempt(signum, frame):
+        if report.preempted is not None:
+            return
+        report.preempted = signum
+        log(f"received {signal.Signals(signum).name}: forwarded to the ranks as SIGUSR1; they have {grace:g} s "
+            "to save (du.preempted) and exit")  # fmt: skip
+        for p in procs:
+            if not getattr(p, "remote", False):  # (remote ranks hear it from du.preempted's collective)
+                _signal(p.pid, signal.SIGUSR1)
+        timer = threading.Timer(grace, out_of_grace, (signum,))
+        timer.daemon = True
+        timer.start()
+
+    def out_of_grace(signum):
+        log(f"the job did not end within the grace period ({grace:g} s); stopping all ranks")
+        stop(procs)
+        os._exit(128 + signum)
+
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, handler)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+            signal.signal(sig, preempt if grace and sig in (signal.SIGTERM, signal.SIGUSR1) else handler)
+
+
+def _signal(pid, sig):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def log(message):

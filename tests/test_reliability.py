@@ -7,9 +7,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from launching import ROOT, launch
@@ -452,3 +454,49 @@ def test_a_job_resumes_mid_epoch_at_another_world_size(tmp_path):
     b = mx.load(str(tmp_path / "sharded" / "out.safetensors"))
     for key in a:
         assert mx.allclose(a[key], b[key], rtol=1e-5, atol=1e-6).item(), key
+
+
+def assert_same_safetensors(a, b):
+    a, b = mx.load(str(a)), mx.load(str(b))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert (np.array(a[key]).view(np.uint8) == np.array(b[key]).view(np.uint8)).all(), key
+
+
+def preempted_run(backend, tmp_path, signal_the_launcher):
+    """The resume program with --preempt: either du-launch gets SIGTERM while every rank holds at
+    step 7, or rank 1 sends SIGTERM to itself at step 9. Returns (exit code, output)."""
+    program = ["python", RESUME, str(tmp_path / "preempted"), str(tmp_path / "ck"), "--preempt"]
+    program += ["--hold-at", "7"] if signal_the_launcher else ["--fault", "0:9:1:sigterm"]
+    argv = [sys.executable, "-m", "distributed_utils.launch", "-n", "2", "--backend", backend, "--grace", "60", *program]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    killer = threading.Timer(120, os.killpg, (proc.pid, signal.SIGKILL))  # a bound, not a synchronization
+    killer.start()
+    lines = []
+    for line in proc.stdout:  # the job's own output says when it holds
+        lines.append(line)
+        if "[rank 0] holding at step 7" in line:
+            proc.send_signal(signal.SIGTERM)
+    killer.cancel()
+    return proc.wait(), "".join(lines)
+
+
+@pytest.mark.parametrize("signal_the_launcher", [True, False], ids=["launcher", "one-rank"])
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_a_preempted_job_saves_once_at_one_step_and_resumes_bit_identical(backend, tmp_path, signal_the_launcher):
+    whole = launch(2, backend, ["python", RESUME, str(tmp_path / "whole"), str(tmp_path / "ck-whole")], timeout=120)
+    assert whole.returncode == 0, whole.stdout
+    code, out = preempted_run(backend, tmp_path, signal_the_launcher)
+    step = 7 if signal_the_launcher else 9
+    assert code == (75 if signal_the_launcher else 0), out
+    assert sorted(re.findall(r"\[rank (\d)\] preempted at step (\d+): saved", out)) == [("0", str(step)), ("1", str(step))], out
+    if signal_the_launcher:
+        assert "du-launch: received SIGTERM: forwarded to the ranks as SIGUSR1" in out, out
+        assert "du-launch: the job was preempted (SIGTERM) and ended within the grace period" in out, out
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"step-{s:012d}.safetensors" for s in (5, step)]
+    resumed = launch(2, backend, ["python", RESUME, str(tmp_path / "resumed"), str(tmp_path / "ck")], timeout=120)
+    assert resumed.returncode == 0, resumed.stdout
+    for r in range(2):
+        assert f"[rank {r}] resumed at step {step}, epoch 0, saved by 2 ranks" in resumed.stdout, resumed.stdout
+    assert_same_safetensors(tmp_path / "whole.safetensors", tmp_path / "resumed.safetensors")

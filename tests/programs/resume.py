@@ -12,6 +12,9 @@ CMD, which cuts the network link, then waits in the next step). ``--die-at S`` i
 ``--fault 0:S:1:kill``. du-launch --max-restarts then starts the job again, and it resumes
 from the newest checkpoint. --items: each rank writes the items of every step to
 DIR/rank-R.txt, as lines "STEP EPOCH ITEM...". --shard: the optimizer state is sharded.
+--preempt: after every step, ``du.preempted``: when True, save a checkpoint at that step and
+exit 0 (KIND sigterm sends SIGTERM to RANK itself); --hold-at STEP: every rank waits at STEP,
+in ``du.preempted`` collectives, until a signal preempts the job.
 """
 
 import argparse
@@ -37,6 +40,8 @@ p.add_argument("--die-at", type=int)
 p.add_argument("--fault", action="append", default=[])
 p.add_argument("--cut")
 p.add_argument("--shard", action="store_true")
+p.add_argument("--preempt", action="store_true")
+p.add_argument("--hold-at", type=int)
 args = p.parse_args()
 faults = [f.split(":") for f in args.fault] + ([["0", str(args.die_at), "1", "kill"]] if args.die_at else [])
 faults = {(int(a), int(s), int(r)): kind for a, s, r, kind in faults}
@@ -52,6 +57,8 @@ def fault(kind):
         raise RuntimeError(f"an injected fault at step {step}")
     elif kind == "exit0":
         sys.exit(0)
+    elif kind == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
     elif kind == "cut":
         subprocess.run(args.cut, shell=True, check=True)
     else:
@@ -86,6 +93,14 @@ for epoch in range(data.epoch, args.epochs):
         kind = faults.get((int(os.environ.get("DU_RESTART", 0)), step, du.local_rank(backend)))
         if kind:
             fault(kind)
+        if step == args.hold_at:
+            print(f"holding at step {step}", flush=True)
+            while not du.preempted(backend):
+                pass
+        if args.preempt and du.preempted(backend):
+            du.save_checkpoint(backend, args.checkpoints, model=model, optimizer=opt, data=data, step=step, keep=2)
+            print(f"preempted at step {step}: saved", flush=True)
+            sys.exit(0)
         if step % 5 == 0:
             du.save_checkpoint(backend, args.checkpoints, model=model, optimizer=opt, data=data, step=step, keep=2)
 
