@@ -12,16 +12,20 @@ import hashlib
 import itertools
 import operator
 import sys
+import time
 import warnings
 
 import mlx.core as mx
 import numpy as np
 
+from . import watchdog
 from .api import allgather, allreduce, local_rank, total_workers
 
 
 #: Length-grouped batches are sorted within runs of this many batches (see ``group_by_length``).
 LENGTH_GROUP_BATCHES = 32
+#: ``batches(share="auto")`` times this many steps (after one warm-up step) of each epoch.
+AUTO_SHARE_STEPS = 4
 
 
 def shard_bounds(n: int, world_size: int, rank: int) -> tuple:
@@ -40,9 +44,32 @@ def samples_per_rank(n: int, world_size: int, batch_size: int, drop_last: bool) 
     return -(-n // world_size)
 
 
-def batch_count(n: int, world_size: int, batch_size: int, drop_last: bool) -> int:
-    """Batches per epoch on every rank; a function of its arguments alone (no communication)."""
+def batch_count(n: int, world_size: int, batch_size, drop_last: bool) -> int:
+    """Batches per epoch on every rank; a function of its arguments alone (no communication).
+    ``batch_size``: one for every rank, or a list of each rank's (``share_sizes``)."""
+    if isinstance(batch_size, list):
+        return n // sum(batch_size) if drop_last else -(-n // sum(batch_size))
     return -(-samples_per_rank(n, world_size, batch_size, drop_last) // batch_size)
+
+
+def share_sizes(batch_size: int, shares) -> list:
+    """Each rank's batch size for ``shares`` (one positive number per rank): about
+    ``N * batch_size * s_r / sum(s)``, rounded (largest remainders first) so that they add up
+    to exactly ``N * batch_size``."""
+    shares = np.asarray(shares, np.float64)
+    exact = len(shares) * batch_size * shares / shares.sum()
+    sizes = np.floor(exact).astype(np.int64)
+    sizes[np.argsort(sizes - exact, kind="stable")[: len(shares) * batch_size - sizes.sum()]] += 1
+    return sizes.tolist()
+
+
+def _size(batch_size, rank) -> int:
+    """Rank's batch size: ``batch_size``, or its entry when that is every rank's list."""
+    return batch_size[rank] if isinstance(batch_size, list) else batch_size
+
+
+def _global_batch(world_size, batch_size) -> int:
+    return sum(batch_size) if isinstance(batch_size, list) else world_size * batch_size
 
 
 def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=()):
@@ -52,6 +79,10 @@ def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epo
     from the start of its shard, wrapping around the end (``samples_per_rank`` items): without
     ``drop_last`` a rank whose shard is one item short repeats the next item (the first rank's
     for the last rank).
+
+    With a list of every rank's batch size (``share_sizes``) the order is read instead in
+    global batches of their sum, rank r taking its slice of each; without ``drop_last`` the
+    last global batch wraps around to the start of the order.
 
     ``done``: the parts of this epoch that earlier runs visited before a restart at another
     world size, as ``(world_size, batch_size, batches)``; their items are left out, and the
@@ -65,6 +96,10 @@ def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed
     exactly once (evaluation): its own shard of the epoch's order, then filler (its first item
     again) up to the same whole number of batches on every rank; ``real`` is False for filler."""
     order = epoch_order(n, shuffle, seed, epoch)
+    if isinstance(batch_size, list):  # in global batches: the positions past the end are filler
+        positions = _global_batches(n, batch_size, rank, False)
+        real = positions < n
+        return order[np.where(real, positions, positions[0] % n)], real
     start, stop = shard_bounds(n, world_size, rank)
     total = batch_count(n, world_size, batch_size, False) * batch_size
     mine = order[start:stop]
@@ -99,7 +134,7 @@ def remaining_positions(n: int, done=()) -> np.ndarray:
     for world_size, batch_size, batches in done:
         visited = np.zeros(len(left), bool)
         for rank in range(world_size):  # (the first batches of a share are the same with drop_last)
-            visited[_share(len(left), world_size, rank, batch_size, False)[: batches * batch_size]] = True
+            visited[_share(len(left), world_size, rank, batch_size, False)[: batches * _size(batch_size, rank)]] = True
         left = left[~visited]
     return left
 
@@ -108,8 +143,16 @@ def _share(m, world_size, rank, batch_size, drop_last) -> np.ndarray:
     """Which of ``m`` positions rank visits, in order: its shard's, wrapping around the end."""
     if m == 0:
         return np.arange(0)
+    if isinstance(batch_size, list):
+        return _global_batches(m, batch_size, rank, drop_last) % m
     start, _ = shard_bounds(m, world_size, rank)
     return (start + np.arange(samples_per_rank(m, world_size, batch_size, drop_last))) % m
+
+
+def _global_batches(m, sizes, rank, drop_last) -> np.ndarray:
+    """Rank's slice of each global batch of ``sum(sizes)`` of ``m`` positions (past ``m`` in the last)."""
+    steps = batch_count(m, len(sizes), sizes, drop_last)
+    return (np.arange(steps)[:, None] * sum(sizes) + sum(sizes[:rank]) + np.arange(sizes[rank])).reshape(-1)
 
 
 class DistributedDataContainer:
@@ -140,6 +183,7 @@ class DistributedDataContainer:
         self._part = (self.world_size, None, 0)  # this epoch's batches() so far: (world size, batch size, batches)
         self._before = []  # the parts of this epoch run before a restart at another world size or batch size
         self._resume = None  # load_state_dict's state, for the next batches()
+        self._auto_sizes = None  # the batch sizes share="auto" last agreed on
         self._columns = _as_columns(data, self._label)  # None unless data is a tuple or dict of columns
         self._n = _length(data, self._columns, self._label)
         self._check_same_length_everywhere()
@@ -251,22 +295,22 @@ class DistributedDataContainer:
         state, self._resume = self._resume, None
         if state is None or state["epoch"] != epoch:
             return [], 0
-        before = [tuple(map(operator.index, part)) for part in state.get("before", [])]
+        before = [(int(w), b if isinstance(b, list) else int(b), int(k)) for w, b, k in state.get("before", [])]
         world_size, saved_batch, batches = state["world_size"], state.get("batch_size"), state["batches"]
         if batches == 0 or (saved_batch in (None, batch_size) and world_size == self.world_size):
             return before, batches
         if self.rank == 0:
             warnings.warn(
                 f"{self._label}: epoch {epoch} was saved after {batches} batches of {saved_batch} items on each of "
-                f"{world_size} ranks (global batch {world_size * saved_batch}); its items not yet visited are "
-                f"sharded anew over {self.world_size} ranks with batches of {batch_size} (global batch "
-                f"{self.world_size * batch_size})",
+                f"{world_size} ranks (global batch {_global_batch(world_size, saved_batch)}); its items not yet "
+                f"visited are sharded anew over {self.world_size} ranks with batches of {batch_size} (global batch "
+                f"{_global_batch(self.world_size, batch_size)})",
                 stacklevel=3,
             )
         return [*before, (world_size, saved_batch, batches)], 0
 
     def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=None,
-                exactly_once=False):  # fmt: skip
+                exactly_once=False, share=None):  # fmt: skip
         """Yields this rank's batches for one epoch: mx.arrays stacked along a new first axis
         (a tuple or dict of them for tuple/dict/dataset data; a field of strings or other
         non-numbers stays a list), or what ``collate`` makes of the list of items. Every rank
@@ -294,13 +338,27 @@ class DistributedDataContainer:
         ``exactly_once`` (evaluation; sized data): every item is visited exactly once across
         the ranks, and each rank yields ``(batch, mask)``: its own shard, filled up to the same
         number of full batches on every rank with repeats of its first item, for which ``mask``
-        (float32, one per item) is 0 (1 for a real item). Weight metrics with the mask."""
+        (float32, one per item) is 0 (1 for a real item). Weight metrics with the mask.
+
+        ``share`` (sized data; unequal hosts): this rank's share of each step's N x
+        ``batch_size`` items, a positive number (its speed, say; each rank passes its own):
+        rank r gets ``share_sizes`` items a step, in proportion. The order is then read in
+        global batches (see ``epoch_indices``), every rank still takes the same number of
+        steps, and the update is exact when the gradients are weighted by the batch
+        (``opt.update(model, grads, weight=len(batch))``). ``"auto"``: the ranks time their
+        own work (a step less its time in collectives) over the first ``AUTO_SHARE_STEPS``
+        steps of each epoch, agree on shares in proportion to their speeds (one allgather),
+        say so on rank 0, and split the rest of the epoch so."""
         batch_size = self._batch_size(batch_size)
         epoch = self.epoch if epoch is None else operator.index(epoch)
+        self._check_same_everywhere(batch_size=batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
+                                    drop_last=drop_last, exactly_once=exactly_once, auto=share == "auto")  # fmt: skip
+        if share is not None:
+            self._check_sized("share=")
+            batch_size = self._agreed_sizes(batch_size, share)
         before, skip = self._resumed_parts(epoch, batch_size)
         start = skip if start is None else operator.index(start)
-        self._check_same_everywhere(batch_size=batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
-                                    drop_last=drop_last, start=start, exactly_once=exactly_once)  # fmt: skip
+        self._check_same_everywhere(start=start)
         if exactly_once:
             return self._exactly_once(batch_size, shuffle, seed, epoch, drop_last, start, before)
         if self.is_stream:
@@ -309,15 +367,68 @@ class DistributedDataContainer:
             skipped = sum(p * b * k for p, b, k in before)  # a stream's first items went to the parts before
             return self._counted(epoch, before, batch_size, start,
                                  self._stream_batches(batch_size, drop_last, skipped, start))  # fmt: skip
-        order = epoch_indices(
-            self._n, self.world_size, self.rank, batch_size,
-            shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last, done=before,
-        )  # fmt: skip
+        order = dict(shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last)
+        return self._sized_batches(order, before, batch_size, start, share == "auto")
+
+    def _sized_batches(self, order_of, before, batch_size, start, auto):
+        """The epoch's batches (``batch_size``: one, or every rank's list), keeping ``state_dict``
+        up to date as they are handed out; with ``auto``, re-split once the shares are measured."""
+        mine = _size(batch_size, self.rank)
+        order = epoch_indices(self._n, self.world_size, self.rank, batch_size, done=before, **order_of)
         if self._lengths is not None:
-            order = group_by_length(order, self._lengths, batch_size)
-        self._check_start(start, -(-len(order) // batch_size))
-        batches = (self._fetch(order[b : b + batch_size]) for b in range(start * batch_size, len(order), batch_size))
-        return self._counted(epoch, before, batch_size, start, batches)
+            order = group_by_length(order, self._lengths, mine)
+        self._check_start(start, -(-len(order) // mine))
+        return self._handed_out(order, order_of, before, batch_size, start, auto)
+
+    def _handed_out(self, order, order_of, before, batch_size, start, auto):
+        epoch, mine = order_of["epoch"], _size(batch_size, self.rank)
+        self.epoch, self._before, self._part = epoch, before, (self.world_size, batch_size, start)
+        clock = []  # (seconds, seconds in collectives) at each hand-out, for auto
+        for b in range(start * mine, len(order), mine):
+            self._part = (self.world_size, batch_size, self._part[2] + 1)
+            clock.append((time.monotonic(), watchdog.waited()))
+            if auto and len(clock) == AUTO_SHARE_STEPS + 1:  # the first step is a warm-up
+                sizes = self._measured_sizes(batch_size, clock[1:])
+                if sizes != batch_size:  # the rest of the epoch, split anew, from this batch on
+                    done = (self.world_size, batch_size, self._part[2] - 1)
+                    yield from self._sized_batches(order_of, [*before, done], sizes, 0, False)
+                    return
+            yield self._fetch(order[b : b + mine])
+        self.epoch, self._before, self._part = epoch + 1, [], (self.world_size, batch_size, 0)
+
+    def _agreed_sizes(self, batch_size, share) -> list:
+        """Collective: every rank's batch size for ``share`` (this rank's number, or "auto":
+        the sizes last measured, else those the data position was saved with, else equal)."""
+        if share == "auto":
+            saved = (self._resume or {}).get("batch_size")
+            for sizes in (self._auto_sizes, saved, [batch_size] * self.world_size):
+                if isinstance(sizes, list) and len(sizes) == self.world_size and sum(sizes) == batch_size * self.world_size:
+                    return sizes
+        ok = not isinstance(share, bool) and isinstance(share, (int, float, np.number)) and 0 < share < float("inf")
+        shares = allgather(self.backend, np.array([float(share) if ok else np.nan]))
+        bad = [r for r, s in enumerate(shares) if not s > 0]
+        if bad:
+            raise ValueError(f"{self._label}: share must be a positive number or 'auto'; ranks {bad} passed another "
+                             f"(shares: {shares.tolist()})")  # fmt: skip
+        sizes = share_sizes(batch_size, shares)
+        if min(sizes) == 0:
+            raise ValueError(f"{self._label}: shares {shares.tolist()} give ranks {[r for r, k in enumerate(sizes) if not k]} "
+                             f"no item of the {sum(sizes)} per step; raise their shares or the batch size")  # fmt: skip
+        return sizes
+
+    def _measured_sizes(self, sizes, clock) -> list:
+        """Collective: batch sizes in proportion to each rank's items per second of its own work."""
+        (t0, w0), (t1, w1) = clock[0], clock[-1]
+        speed = _size(sizes, self.rank) * (len(clock) - 1) / max((t1 - t0) - (w1 - w0), 1e-9)
+        speeds = allgather(self.backend, np.array([speed]))
+        self._auto_sizes = share_sizes(sum(sizes) // self.world_size, speeds)
+        for r in [r for r, k in enumerate(self._auto_sizes) if k == 0]:  # every rank keeps an item a step
+            self._auto_sizes[r] += 1
+            self._auto_sizes[int(np.argmax(self._auto_sizes))] -= 1
+        if self.rank == 0:
+            print(f"distributed_utils: batch shares (auto, epoch {self.epoch}): {self._auto_sizes} items per step by "
+                  f"rank, for {np.round(speeds, 1).tolist()} items/s of each rank's own work", file=sys.stderr)  # fmt: skip
+        return self._auto_sizes
 
     def _exactly_once(self, batch_size, shuffle, seed, epoch, drop_last, start, before):
         if self.is_stream or drop_last or before:
@@ -326,12 +437,13 @@ class DistributedDataContainer:
             raise ValueError(f"{self._label}: exactly_once cannot visit every item once here: {why}")
         order, real = exactly_once_indices(self._n, self.world_size, self.rank, batch_size,
                                            shuffle=shuffle, seed=seed, epoch=epoch)  # fmt: skip
+        mine = _size(batch_size, self.rank)
         if self._lengths is not None:
-            order = group_by_length(order, self._lengths, batch_size, real)
-        self._check_start(start, len(order) // batch_size)
+            order = group_by_length(order, self._lengths, mine, real)
+        self._check_start(start, len(order) // mine)
         mask = mx.array(real.astype(np.float32))
-        batches = ((self._fetch(order[b : b + batch_size]), mask[b : b + batch_size])
-                   for b in range(start * batch_size, len(order), batch_size))  # fmt: skip
+        batches = ((self._fetch(order[b : b + mine]), mask[b : b + mine])
+                   for b in range(start * mine, len(order), mine))  # fmt: skip
         return self._counted(epoch, before, batch_size, start, batches)
 
     def _check_start(self, start, total):

@@ -40,6 +40,7 @@ class _State:
         self.local = threading.local()  # .depth: collectives nested in the current one
         self.stopped = []  # (from, to): when this process did not run
         self.parent = None  # the launcher's pid, to exit with it
+        self.waited = 0.0  # seconds spent in collectives
 
 
 _state = _State()
@@ -125,7 +126,14 @@ def collective(rank: int, call: Call):
     finally:
         _state.local.depth = 0
         _unregister(entry)
+        _state.waited += time.monotonic() - entry.start
     _state.done = call.seq
+
+
+def waited() -> float:
+    """Seconds this process has spent inside collectives (waiting for the others, and the
+    transfer): a step's time less this is its own work (``batches(share="auto")``)."""
+    return _state.waited
 
 
 def evaluate(*values) -> bool:

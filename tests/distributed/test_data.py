@@ -6,13 +6,17 @@ import collections
 import warnings
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import distributed_utils as du
-from distributed_utils.data import batch_count, epoch_indices, shard_bounds
+from distributed_utils.data import batch_count, epoch_indices, exactly_once_indices, shard_bounds, share_sizes
+
+from test_optimizer import assert_same_parameters, dataset, loss_fn, mlp
 
 
 def as_list(batch):
@@ -432,3 +436,80 @@ def test_exactly_once_refuses_what_would_skip_or_repeat_items(backend):
         data.batches(3, exactly_once=True, drop_last=True)
     with pytest.raises(ValueError, match="stream's length is unknown"):
         du.DistributedDataContainer(backend, iter(range(10))).batches(3, exactly_once=True)
+
+
+# ---- batch shares: unequal batches for unequal hosts ----
+
+
+@given(
+    n=st.integers(1, 150), batch=st.integers(1, 8), shares=st.lists(st.floats(0.05, 5), min_size=1, max_size=5),
+    shuffle=st.booleans(), seed=st.integers(0, 9), drop_last=st.booleans(), fraction=st.floats(0, 1),
+    world_after=st.integers(1, 5),
+)  # fmt: skip
+def test_batch_shares_give_equal_steps_and_visit_the_items_as_equal_batches_do(
+    n, batch, shares, shuffle, seed, drop_last, fraction, world_after
+):
+    world = len(shares)
+    sizes = share_sizes(batch, shares)
+    assert sum(sizes) == world * batch
+    assert all(abs(k - world * batch * s / sum(shares)) < 1 for k, s in zip(sizes, shares))
+    if min(sizes) == 0:
+        return  # refused by batches() (tested below)
+    orders = [epoch_indices(n, world, r, sizes, shuffle=shuffle, seed=seed, drop_last=drop_last) for r in range(world)]
+    steps = batch_count(n, world, sizes, drop_last)
+    assert [len(order) for order in orders] == [steps * k for k in sizes]  # full batches, equal steps
+    every = np.concatenate(orders).tolist()
+    if drop_last:
+        assert len(set(every)) == len(every) and n - len(every) < sum(sizes)
+    else:
+        assert set(every) == set(range(n)) and len(every) - n < sum(sizes)
+    once = [exactly_once_indices(n, world, r, sizes, shuffle=shuffle, seed=seed) for r in range(world)]
+    assert sorted(i for order, real in once for i in order[real].tolist()) == list(range(n))
+    assert [len(order) for order, _ in once] == [batch_count(n, world, sizes, False) * k for k in sizes]
+    # stopped part way, resumed with equal batches at another world size: the rest, once
+    done = int(fraction * steps)
+    visited = {i for r, order in enumerate(orders) for i in order[: done * sizes[r]].tolist()}
+    rest = [epoch_indices(n, world_after, r, batch, shuffle=shuffle, seed=seed, done=[(world, sizes, done)])
+            for r in range(world_after)]  # fmt: skip
+    rest = np.concatenate(rest).tolist()
+    assert not set(rest) & visited and visited | set(rest) == set(range(n))
+
+
+def test_weighted_updates_with_batch_shares_equal_one_process_on_the_union(backend):
+    """Rank r takes r + 1 shares of each step; weighting its gradient by its batch makes the
+    step that of one process on the step's items of every rank."""
+    n, rank = du.total_workers(backend), du.local_rank(backend)
+    x, y = dataset(0, 37)
+    data = du.DistributedDataContainer(backend, (x, y))
+    model, opt = mlp(), du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    lg = nn.value_and_grad(model, loss_fn)
+    for bx, by in data.batches(3, share=rank + 1, shuffle=True, seed=1):
+        _, grads = lg(model, bx, by)
+        opt.update(model, grads, weight=len(bx))
+        mx.eval(model.parameters(), opt.state)
+    sizes = share_sizes(3, [r + 1 for r in range(n)])
+    orders = [epoch_indices(37, n, r, sizes, shuffle=True, seed=1) for r in range(n)]
+    reference, ref_opt = mlp(), optim.Adam(1e-2)
+    for step in range(batch_count(37, n, sizes, False)):
+        rows = np.concatenate([orders[r][step * sizes[r] : (step + 1) * sizes[r]] for r in range(n)])
+        _, grads = nn.value_and_grad(reference, loss_fn)(reference, x[mx.array(rows)], y[mx.array(rows)])
+        ref_opt.update(reference, grads)
+        mx.eval(reference.parameters(), ref_opt.state)
+    assert_same_parameters(model, reference)  # (the ranks' sums come in the transport's order)
+
+
+def test_shares_resume_exactly_and_bad_shares_fail_on_every_rank(backend):
+    n, rank = du.total_workers(backend), du.local_rank(backend)
+    data = du.DistributedDataContainer(backend, np.arange(40))
+    everything = [b.tolist() for b in data.batches(2, share=rank + 1)]
+    first = data.batches(2, share=rank + 1)
+    seen = [next(first).tolist() for _ in range(2)]
+    assert data.state_dict()["batch_size"] == share_sizes(2, [r + 1 for r in range(n)])
+    resumed = du.DistributedDataContainer(backend, np.arange(40))
+    resumed.load_state_dict(data.state_dict())
+    assert seen + [b.tolist() for b in resumed.batches(2, share=rank + 1)] == everything
+    with pytest.raises(ValueError, match=r"share must be a positive number or 'auto'; ranks \[0\] passed another"):
+        next(data.batches(2, share=-1.0 if rank == 0 else 1.0))
+    if n > 1:
+        with pytest.raises(ValueError, match=r"give ranks \[1\] no item of the"):
+            next(data.batches(1, share=1e-6 if rank == 1 else 1.0))
