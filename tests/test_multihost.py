@@ -1,102 +1,25 @@
-"""Two hosts made of Linux network namespaces joined by a veth pair, as a user with two machines
-runs a job: a hostfile, and a remote shell (here `ip netns exec`, where they would use ssh).
-
-Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2; skipped, with the reason, only
-where the machine forbids namespaces. Nothing leaves the two namespaces: the addresses are the
-test's own and neither namespace has a route anywhere else.
-"""
+"""Jobs across two hosts made of Linux network namespaces (``hosts.py``), as a user with two
+machines runs them: a hostfile and a remote shell. Skipped, with the reason, only where the
+machine forbids namespaces."""
 
 import os
 import queue
 import random
+import re
 import shutil
-import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from hosts import Hosts, command_line, ip
 from launching import ROOT, launch
 
 TRAIN = str(ROOT / "tests" / "programs" / "train.py")
 TIMEOUT = 3  # the watchdog timeout in these tests
-
-
-class Hosts:
-    """Namespaces ``du<pid>a`` (10.77.0.1) and ``du<pid>b`` (10.77.0.2); the launcher runs on a."""
-
-    def __init__(self, tmp):
-        tag = f"du{os.getpid()}"
-        self.names = [tag + "a", tag + "b"]
-        self.addresses = ["10.77.0.1", "10.77.0.2"]
-        self.hostfile = tmp / "hosts"
-        self.hostfile.write_text("".join(f"{a} slots=1\n" for a in self.addresses))
-        self.shell = tmp / "netns-shell"  # HOST COMMAND...: run COMMAND on HOST, as ssh would
-        cases = "".join(f"  {a}) ns={n} ;;\n" for a, n in zip(self.addresses, self.names))
-        self.shell.write_text(
-            "#!/bin/sh\nhost=$1; shift\ncase $host in\n" + cases
-            + '  *) echo "netns-shell: no host $host" >&2; exit 255 ;;\nesac\n'
-            + 'exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && $*"\n'
-        )  # fmt: skip
-        self.shell.chmod(0o755)
-
-    def create(self):
-        a, b = self.names
-        ip("link", "add", a, "type", "veth", "peer", "name", b)
-        for name, address in zip(self.names, self.addresses):
-            ip("link", "set", name, "netns", name)
-            ip("-n", name, "addr", "add", f"{address}/24", "dev", name)
-            ip("-n", name, "link", "set", "lo", "up")
-            ip("-n", name, "link", "set", name, "up")
-
-    def launcher(self, backend, command, hostfile=None, remote_shell=None):
-        """argv that runs du-launch on host a."""
-        return [
-            "ip", "netns", "exec", self.names[0], "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-            self.names[0], sys.executable, "-m", "distributed_utils.launch", "--backend", backend,
-            "--hostfile", str(hostfile or self.hostfile), "--remote-shell", remote_shell or f"{self.shell} {{host}}",
-            *command,
-        ]  # fmt: skip
-
-    def run(self, backend, command, timeout=120, **kw):
-        return subprocess.run(self.launcher(backend, command, **kw), cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "DU_TIMEOUT": "30"})  # fmt: skip
-
-    def set_link(self, state):
-        ip("-n", self.names[0], "link", "set", self.names[0], state)
-
-    def pids(self, running=""):
-        """The processes in the namespaces (whose command line contains ``running``)."""
-        pids = [int(p) for n in self.names for p in ip("netns", "pids", n).split()]
-        return [p for p in pids if running in command_line(p)]
-
-    def remove(self):
-        for pid in self.pids():  # processes this test started
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for name in self.names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
-def command_line(pid) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def ip(*args) -> str:
-    run = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if run.returncode:
-        raise RuntimeError(f"ip {' '.join(args)}: {run.stderr.strip()}")
-    return run.stdout
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +54,23 @@ def test_training_across_two_hosts_matches_one_host(hosts, backend, tmp_path):
     assert want.keys() == got.keys()
     for key in want:
         assert mx.array_equal(want[key], got[key]).item(), key
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_diloco_over_a_100_mbit_link_ends_with_identical_replicas(hosts, backend, tmp_path):
+    """The link shaped with tc's token bucket filter; 12 steps syncing every 4: the replicas end
+    bit-identical, and as the same job on one host."""
+    hosts.shape("100mbit")
+    try:
+        multi = hosts.run(backend, ["python", TRAIN, str(tmp_path / "multi"), "--diloco", "4"])
+    finally:
+        hosts.shape(None)
+    assert multi.returncode == 0, multi.stdout + multi.stderr
+    digests = dict(re.findall(r"\[rank (\d)\] done at step 12 on \S+, parameters (\w+)", multi.stdout))
+    assert len(digests) == 2 and digests["0"] == digests["1"], multi.stdout
+    single = launch(2, backend, ["python", TRAIN, str(tmp_path / "single"), "--diloco", "4"], timeout=120)
+    assert single.returncode == 0, single.stdout
+    assert "[rank 0] done at step 12 on" in single.stdout and f"parameters {digests['0']}" in single.stdout, single.stdout
 
 
 @pytest.mark.parametrize("backend", ["ring", "mpi"])

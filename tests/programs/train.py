@@ -1,16 +1,18 @@
 """A small data-parallel training run for the reliability tests (run under du-launch).
 
-    python tests/programs/train.py OUT [--steps N] [--checkpoint PATH --every K] [--say-at S]
+    python tests/programs/train.py OUT [--steps N] [--checkpoint PATH --every K] [--say-at S] [--diloco H]
 
 Trains an MLP with dropout (so the random state matters) on a fixed synthetic data set,
 shuffled per epoch; rank 0 writes the final parameters to OUT (safetensors). With
 --checkpoint it resumes from PATH when it exists and saves there every K steps.
 --say-at prints "at step S" once and goes on (a signal for a test to act mid-run); --log
 copies each rank's stderr to LOG-RANK.log (its reports, even when its output cannot reach
-the launcher).
+the launcher). --diloco H: DiLoCo syncing every H steps instead of DistributedOptimizer.
+Every rank prints a digest of its final parameters.
 """
 
 import argparse
+import hashlib
 import os
 import socket
 import sys
@@ -30,6 +32,7 @@ p.add_argument("--checkpoint")
 p.add_argument("--every", type=int, default=4)
 p.add_argument("--say-at", type=int)
 p.add_argument("--log")
+p.add_argument("--diloco", type=int)
 args = p.parse_args()
 
 backend = du.initialize()
@@ -82,7 +85,8 @@ per_epoch = data.num_batches(BATCH)
 
 mx.random.seed(1)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
-opt = du.DistributedOptimizer(backend, optim.Adam(1e-2))
+opt = (du.DistributedOptimizer(backend, optim.Adam(1e-2)) if args.diloco is None
+       else du.DiLoCo(backend, optim.Adam(1e-2), sync_every=args.diloco))  # fmt: skip
 du.synchronize(backend, model)
 loss_and_grad = nn.value_and_grad(model, lambda m, x, y: ((m(x) - y) ** 2).mean())
 
@@ -113,4 +117,5 @@ while step < args.steps:
 
 if rank == 0:
     mx.save_safetensors(args.out, dict(tree_flatten(model.parameters())))
-print(f"done at step {step} on {socket.gethostname()}", flush=True)
+digest = hashlib.sha256(b"".join(np.array(p).tobytes() for _, p in tree_flatten(model.parameters()))).hexdigest()
+print(f"done at step {step} on {socket.gethostname()}, parameters {digest[:16]}", flush=True)
