@@ -1,0 +1,178 @@
+"""Reductions and training over slow links: two hosts made of network namespaces (tests/hosts.py),
+the veth between them shaped with tc's token bucket filter. Needs root, iproute2 and unshare.
+
+    python benchmarks/links.py [--backends mpi ring] [--rates 10gbit 1gbit 100mbit] [--budget 40]
+
+1. The gradient reduction (``du.reduce_gradients``, 2 ranks, one per host) against the link's own
+   limit, bytes x 2(N-1)/N / rate, as a ratio (1.0 is the wire's speed), float32 and bfloat16.
+2. Training at an equal wall-clock budget (``--budget`` seconds at 100 Mbit/s, half of it at
+   1 Gbit/s): a byte-level Llama from examples/llama_tinystories.py (4 layers, 256 dims: 2.7M
+   parameters, 11 MB) on generated stories, AdamW 1e-3, batch 8 x 64 tokens per rank:
+   synchronous ``DistributedOptimizer`` against ``DiLoCo`` (H = 10 and 50; fragments; int8).
+   Every run checks the budget after each step (a 1-byte all-reduce). Reported: steps,
+   steps/s, MB each host sent (the veth's counters), rank 0's training loss at the end (a
+   moving average), and when each DiLoCo run first reached the synchronous run's final loss,
+   as a fraction of the synchronous run's time.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "examples"))
+
+CONFIGS = {  # name: DiLoCo's arguments (None: synchronous)
+    "sync": None,
+    "diloco H=10": dict(sync_every=10),
+    "diloco H=50": dict(sync_every=50),
+    "diloco H=50 F=5": dict(sync_every=50, fragments=5),
+    "diloco H=50 int8": dict(sync_every=50, compression="int8"),
+}
+
+
+def reduce_worker(args):
+    import mlx.core as mx
+
+    import distributed_utils as du
+
+    backend = du.initialize()
+    grads = {f"w{i}": mx.random.normal((args.bytes // 16,)) for i in range(4)}
+    mx.eval(grads)
+    times = []
+    for _ in range(args.reps + 1):
+        du.barrier(backend)
+        start = time.perf_counter()
+        mx.eval(du.reduce_gradients(backend, grads, compression=args.compression))
+        times.append(time.perf_counter() - start)
+    slowest = du.allreduce(backend, statistics.median(times[1:]), "max")
+    if du.local_rank(backend) == 0:
+        print("RESULT", json.dumps({"seconds": slowest}), flush=True)
+
+
+def train_worker(args):
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import numpy as np
+    from llama_tinystories import GeneratedStories, Llama, loss_fn
+
+    import distributed_utils as du
+
+    backend = du.initialize()
+    mx.random.seed(0)
+    model = Llama(vocab=257)
+    du.synchronize(backend, model)
+    config = CONFIGS[args.config]
+    opt = (du.DistributedOptimizer(backend, optim.AdamW(1e-3)) if config is None
+           else du.DiLoCo(backend, optim.AdamW(1e-3), **config))  # fmt: skip
+
+    def collate(items):  # bytes, 256 as the end of text
+        tokens, mask = np.full((len(items), 65), 256, np.int32), np.zeros((len(items), 65), np.float32)
+        for i, item in enumerate(items):
+            row = (list(item["text"].encode()) + [256])[:65]
+            tokens[i, : len(row)], mask[i, : len(row)] = row, 1
+        return mx.array(tokens), mx.array(mask)
+
+    data = du.DistributedDataContainer(backend, GeneratedStories(100_000), collate=collate)
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    start, steps, average, trace = time.perf_counter(), 0, None, []
+    for tokens, mask in data.batches(8, shuffle=True):
+        (loss, ntoks), grads = loss_and_grad(model, tokens, mask)
+        opt.update(model, grads, weight=ntoks)
+        mx.eval(loss, model.parameters(), opt.state)
+        steps += 1
+        average = loss.item() if average is None else 0.98 * average + 0.02 * loss.item()
+        trace.append((time.perf_counter() - start, average))
+        if du.allreduce(backend, time.perf_counter() - start > args.budget, "max"):  # (1 byte, every run alike)
+            break
+    if du.local_rank(backend) == 0:
+        result = {"steps": steps, "seconds": time.perf_counter() - start, "loss": average, "trace": trace[::5]}
+        print("RESULT", json.dumps(result), flush=True)
+
+
+def run(hosts, backend, worker_args, timeout):
+    argv = ["python", __file__, "--worker", *worker_args]
+    before = hosts.sent_bytes()
+    done = subprocess.run(hosts.launcher(backend, argv), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    sent = [b - a for a, b in zip(before, hosts.sent_bytes())]
+    for line in done.stdout.splitlines():
+        if "RESULT " in line:
+            return {**json.loads(line.split("RESULT ", 1)[1]), "sent": max(sent)}
+    raise RuntimeError(f"{backend} {worker_args} failed:\n{done.stdout}\n{done.stderr}")
+
+
+def reached(trace, loss):
+    return next((t for t, average in trace if average <= loss), None)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--backends", nargs="+", default=["mpi", "ring"])
+    p.add_argument("--rates", nargs="+", default=["10gbit", "1gbit", "100mbit"])
+    p.add_argument("--train-rates", nargs="+", default=["100mbit", "1gbit"])
+    p.add_argument("--budget", type=float, default=40.0, help="seconds of training at 100 Mbit/s (half at 1 Gbit/s)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--worker", nargs=argparse.REMAINDER)
+    args = p.parse_args()
+    if args.worker:
+        w = argparse.ArgumentParser()
+        w.add_argument("kind")
+        w.add_argument("--bytes", type=int)
+        w.add_argument("--reps", type=int)
+        w.add_argument("--compression")
+        w.add_argument("--config")
+        w.add_argument("--budget", type=float)
+        wargs = w.parse_args(args.worker)
+        return (reduce_worker if wargs.kind == "reduce" else train_worker)(wargs)
+
+    import tempfile
+
+    from hosts import Hosts
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hosts = Hosts(Path(tmp))
+        for name in hosts.names:
+            subprocess.run(["ip", "netns", "add", name], check=True)
+        try:
+            hosts.create()
+            print("| backend | link | MB | float32: s | ratio to the link's limit | bfloat16: s | ratio |")
+            print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+            for backend in args.backends:
+                for rate in args.rates:
+                    bits = float(rate[:-4]) * (1e9 if rate.endswith("gbit") else 1e6)
+                    nbytes = int(min(113e6, bits / 8 * 2))  # about 2 s of the link, at most 113 MB
+                    hosts.shape(rate)
+                    row = []
+                    for compression in ("float32", "bfloat16"):
+                        wire = nbytes * (1.0 if compression == "float32" else 0.5) * 2 * (2 - 1) / 2  # N = 2
+                        limit = wire / (bits / 8)
+                        worker = ["reduce", "--bytes", str(nbytes), "--reps", str(args.reps)]
+                        got = run(hosts, backend, worker + (["--compression", "bfloat16"] if compression != "float32" else []), 600)
+                        row += [f"{got['seconds']:.3f}", f"{got['seconds'] / limit:.2f}"]
+                    print(f"| {backend} | {rate} | {nbytes / 1e6:.0f} | " + " | ".join(row) + " |", flush=True)
+            hosts.shape(None)
+            for backend in args.backends:
+                for rate in args.train_rates:
+                    hosts.shape(rate)
+                    budget = args.budget if rate == "100mbit" else args.budget / 2
+                    results = {c: run(hosts, backend, ["train", "--config", c, "--budget", str(budget)], 600) for c in CONFIGS}
+                    target = results["sync"]["loss"]
+                    print(f"\n{backend}, {rate}, {budget:g} s each: | run | steps | steps/s | MB sent per host | loss | "
+                          f"reached sync's final loss after |")  # fmt: skip
+                    for name, r in results.items():
+                        t = reached(r["trace"], target)
+                        when = "-" if t is None or name == "sync" else f"{t / results['sync']['seconds']:.2f} of sync's time"
+                        print(f"| {name} | {r['steps']} | {r['steps'] / r['seconds']:.2f} | {r['sent'] / 1e6:.1f} | "
+                              f"{r['loss']:.3f} | {when} |", flush=True)  # fmt: skip
+        finally:
+            hosts.remove()
+
+
+if __name__ == "__main__":
+    main()
