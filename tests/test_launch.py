@@ -190,3 +190,14 @@ def test_a_test_failing_on_one_rank_ends_the_job_with_its_assertion(backend, tmp
     assert "rank 1 failed" in run.stdout and "the other ranks cannot go on without it" in run.stdout, run.stdout
     assert re.search(r"du-launch: rank 1 exited with code 1", run.stdout), run.stdout
     assert "watchdog" not in run.stdout and "test_second" not in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_check_on_one_machine_measures_the_job_and_finds_a_missing_script(backend):
+    run = launch(2, backend, ["--check", "python", "examples/digits.py"], timeout=120)
+    assert run.returncode == 0, run.stdout
+    assert "examples/digits.py exists" in run.stdout, run.stdout
+    assert re.search(r"\[rank 0\] \S+ \(2 ranks, \w+Backend\): latency \d+ us; bus bandwidth 1 MB", run.stdout), run.stdout
+    run = launch(2, backend, ["--check", "python", "no/such/script.py"], timeout=60)
+    assert run.returncode == 1, run.stdout
+    assert "the script no/such/script.py is missing" in run.stdout, run.stdout

@@ -8,6 +8,7 @@ import random
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -124,8 +125,39 @@ def test_a_hostfile_with_an_unreachable_host_is_a_clear_error(hosts, backend, tm
     assert run.returncode != 0
     assert (
         "du-launch: host 10.77.0.9 (ranks [1]) is unreachable: `ssh -o ConnectTimeout=2 -o BatchMode=yes "
-        "10.77.0.9 true` failed: ssh: connect to host 10.77.0.9 port 22: "
+        "10.77.0.9 python -m distributed_utils.preflight` failed: ssh: connect to host 10.77.0.9 port 22: "
     ) in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_check_shows_every_hosts_environment_and_measures_the_link(hosts, backend):
+    run = hosts.run(backend, ["--check", "python", TRAIN, "out"])
+    assert run.returncode == 0, run.stdout + run.stderr
+    for address in hosts.addresses:
+        assert f"du-launch: {address}: Python {sys.version.split()[0]} (" in run.stderr, run.stderr
+    assert f"{TRAIN} exists" in run.stderr, run.stderr
+    pattern = (rf"\[rank 0\] {hosts.names[0]} <-> {hosts.names[1]} \(2 ranks, \w+Backend\): latency \d+ us; "
+               r"bus bandwidth 1 MB [\d.]+ GB/s, 16 MB [\d.]+ GB/s, 64 MB [\d.]+ GB/s")  # fmt: skip
+    assert re.search(pattern, run.stdout), run.stdout
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_a_host_with_another_mlx_is_named_at_check_and_at_every_start(hosts, backend, tmp_path):
+    """Host b has MLX 0.0.1 installed (its metadata first on PYTHONPATH): --check, and a plain
+    start, stop with the host and what differs, before any rank runs."""
+    info = tmp_path / "skew" / "mlx-0.0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx\nVersion: 0.0.1\n")
+    shell = tmp_path / "skewed-shell"
+    shell.write_text(f'#!/bin/sh\nif [ "$1" = 10.77.0.2 ]; then export PYTHONPATH={tmp_path / "skew"}; fi\n'
+                     f'exec {hosts.shell} "$@"\n')  # fmt: skip
+    shell.chmod(0o755)
+    for command in (["--check", "python", TRAIN, "out"], ["python", "-c", "print('a rank ran')"]):
+        run = hosts.run(backend, command, remote_shell=f"{shell} {{host}}")
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert "du-launch: the hosts' environments differ" in run.stderr, run.stderr
+        assert f"host 10.77.0.2 differs from host 10.77.0.1: mlx 0.0.1 (not {mx.__version__})" in run.stderr, run.stderr
+        assert "a rank ran" not in run.stdout and "[rank" not in run.stdout
 
 
 RESUME = str(ROOT / "tests" / "programs" / "resume.py")
@@ -141,7 +173,7 @@ def test_a_host_lost_at_a_restart_ends_the_job_unless_fewer_ranks_may_go_on(host
     shell = tmp_path / "b-goes-down"
     shell.write_text(
         "#!/bin/sh\n"
-        f'if [ "$1 $2" = "10.77.0.2 true" ]; then\n'
+        f'if [ "$1" = 10.77.0.2 ] && expr "$2" : ".*distributed_utils.preflight" >/dev/null; then\n'
         f"  if [ -e {tmp_path}/probed ]; then echo 'ssh: connect to host 10.77.0.2 port 22: No route to host' >&2; exit 255; fi\n"
         f"  touch {tmp_path}/probed\n"
         f'fi\nexec {hosts.shell} "$@"\n'
@@ -151,7 +183,8 @@ def test_a_host_lost_at_a_restart_ends_the_job_unless_fewer_ranks_may_go_on(host
     command = ["--max-restarts", "1", *allow, "python", RESUME, str(tmp_path / "out"), str(tmp_path / "ck"), "--die-at", "13"]
     run = hosts.run(backend, command, hostfile=hostfile, remote_shell=f"{shell} {{host}}")
     assert "attempt 1 failed: rank 1 on 10.77.0.1 was killed by SIGKILL" in run.stderr, run.stderr
-    lost = f"du-launch: host 10.77.0.2 (ranks [2]) is unreachable: `{shell} 10.77.0.2 true` failed: ssh: connect to host"
+    lost = (f"du-launch: host 10.77.0.2 (ranks [2]) is unreachable: `{shell} 10.77.0.2 python -m "
+            "distributed_utils.preflight` failed: ssh: connect to host")  # fmt: skip
     assert lost in run.stderr, run.stderr
     if min_ranks is None:
         assert run.returncode == 1, run.stdout + run.stderr
@@ -183,7 +216,8 @@ def test_soak_a_job_survives_a_fault_of_every_kind_and_ends_bit_identical(hosts,
     hostfile.write_text("10.77.0.1 slots=2\n10.77.0.2 slots=1\n")
     link = f"ip -n {hosts.names[0]} link set {hosts.names[0]}"
     shell = tmp_path / "repairing-shell"  # the netns shell; probing host b repairs the link first
-    shell.write_text(f'#!/bin/sh\nif [ "$2" = true ]; then {link} up; fi\nexec {hosts.shell} "$@"\n')
+    shell.write_text(f'#!/bin/sh\nif expr "$2" : ".*distributed_utils.preflight" >/dev/null; then {link} up; fi\n'
+                     f'exec {hosts.shell} "$@"\n')  # fmt: skip
     shell.chmod(0o755)
 
     def train(name, launcher_options=(), options=()):

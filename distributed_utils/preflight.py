@@ -1,0 +1,87 @@
+"""What ``du-launch`` checks before a job: the same environment on every host, and (``--check``)
+what each link delivers.
+
+    python -m distributed_utils.preflight [SCRIPT]   this host's environment, as one JSON line
+    python -m distributed_utils.preflight --measure  a rank of a job: all-reduce latency and bandwidth
+"""
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+#: What must be the same on every host, in the order the differences are told.
+SAME_EVERYWHERE = ("python", "mlx", "mpi4py", "openmpi", "distributed_utils", "source", "script")
+#: The all-reduce sizes the bandwidth is measured at (bytes).
+SIZES = (2**20, 16 * 2**20, 64 * 2**20)
+
+
+def environment(script=None) -> dict:
+    """This host's Python, library versions, the library's source digest, and whether ``script``
+    (a path relative to the working directory) exists here."""
+
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    package = Path(__file__).resolve().parent
+    source = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(package.rglob("*.py")))).hexdigest()[:12]
+    return {
+        "python": sys.version.split()[0], "executable": sys.executable,
+        "mlx": version("mlx"), "mpi4py": version("mpi4py"), "openmpi": version("openmpi"),
+        "distributed_utils": version("distributed_utils"), "source": source,
+        "script": f"{script} {'exists' if os.path.exists(script) else 'is missing'}" if script else None,
+    }  # fmt: skip
+
+
+def differences(by_host: dict) -> list:
+    """One line per host whose environment differs from the first host's, naming what differs."""
+    (first, mine), *others = by_host.items()
+    lines = []
+    for host, theirs in others:
+        differ = [f"{k} {theirs.get(k)} (not {mine.get(k)})" for k in SAME_EVERYWHERE if theirs.get(k) != mine.get(k)]
+        if differ:
+            lines.append(f"host {host} differs from host {first}: {'; '.join(differ)}")
+    if (mine.get("script") or "").endswith("missing"):
+        lines.append(f"host {first}: the script {mine['script']}")
+    return lines
+
+
+def measure(reps=5):
+    """Collective (a rank of a job): rank 0 prints the job's all-reduce latency (8 bytes) and
+    bus bandwidth at ``SIZES`` (the bytes each rank sends, 2(N-1)/N of the array, per second)."""
+    import mlx.core as mx
+
+    import distributed_utils as du
+
+    backend = du.initialize()
+    n = du.total_workers(backend)
+    hosts = du.allgather(backend, os.uname().nodename)
+    timings = {}
+    for nbytes in (8, *SIZES):
+        x = mx.ones((nbytes // 4,))
+        runs = []
+        for _ in range(reps + 1):
+            du.barrier(backend)
+            start = time.perf_counter()
+            du.allreduce(backend, x, "sum")
+            runs.append(time.perf_counter() - start)
+        timings[nbytes] = du.allreduce(backend, statistics.median(runs[1:]), "max")
+    if du.local_rank(backend) == 0:
+        bandwidth = ", ".join(f"{size // 2**20} MB {size * 2 * (n - 1) / n / timings[size] / 1e9:.2f} GB/s"
+                              for size in SIZES)  # fmt: skip
+        print(f"{' <-> '.join(dict.fromkeys(hosts))} ({n} ranks, {type(backend).__name__}): latency "
+              f"{timings[8] * 1e6:.0f} us; bus bandwidth {bandwidth}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--measure"]:
+        measure()
+    else:
+        print(json.dumps(environment(*sys.argv[1:2])))
