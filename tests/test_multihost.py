@@ -91,14 +91,11 @@ def test_cutting_the_link_mid_run_ends_the_job_on_every_host(hosts, backend, tmp
             assert line is not None, "".join(output)
             output.append(line)
         hosts.set_link("down")
-        cut = time.monotonic()
-        code = proc.wait(timeout=60)
-        ended = time.monotonic() - cut
+        code = proc.wait(timeout=60)  # a bound for a hang, not a measurement
         while (line := lines.get(timeout=10)) is not None:
             output.append(line)
         output = "".join(output)
         assert code == 124, output
-        assert ended < TIMEOUT + 15, output  # the watchdog, its grace, and mpirun's (5 s) at most
         for rank in (0, 1):  # from each rank's own log: its output may not cross the cut link
             report = (tmp_path / f"rank-{rank}.log").read_text()
             assert f"du watchdog: rank {rank}: " in report and "waiting since" in report, report

@@ -9,7 +9,6 @@ import hashlib
 import pickle
 import sys
 import threading
-import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -308,10 +307,8 @@ def test_a_mismatch_raises_on_every_rank_naming_key_and_rank(backend, case):
         else:
             assert du.synchronize(backend, x) is x
         return
-    start = time.monotonic()
-    with pytest.raises(TreeMismatchError) as info:
+    with pytest.raises(TreeMismatchError) as info:  # (a hang instead would end the job at the watchdog)
         du.synchronize(backend, x)
-    assert time.monotonic() - start < 30
     message = str(info.value)
     assert key in message and words in message and f"ranks [{size - 1}] differ from rank 0" in message
     assert same_everywhere(backend, message)

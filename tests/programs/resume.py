@@ -5,19 +5,20 @@ data container's position saved with it, no bookkeeping by hand (run under du-la
                                     [--die-at STEP] [--fault ATTEMPT:STEP:RANK:KIND ...] [--cut CMD]
                                     [--shard]
 
-Rank 0 writes the final parameters to OUT (safetensors). A fault happens to RANK at STEP of
+Rank 0 writes the final parameters to OUT (safetensors); every rank prints a digest of its own. A fault happens to RANK at STEP of
 attempt ATTEMPT (DU_RESTART): KIND is kill (SIGKILL, as a crash), stop (SIGSTOP, as a frozen
 machine), raise (an exception), exit0 (the program ends early, exit code 0) or cut (runs
 CMD, which cuts the network link, then waits in the next step). ``--die-at S`` is
 ``--fault 0:S:1:kill``. du-launch --max-restarts then starts the job again, and it resumes
 from the newest checkpoint. --items: each rank writes the items of every step to
 DIR/rank-R.txt, as lines "STEP EPOCH ITEM...". --shard: the optimizer state is sharded.
---preempt: after every step, ``du.preempted``: when True, save a checkpoint at that step and
+--diloco H: DiLoCo syncing every H steps instead of DistributedOptimizer. --preempt: after every step, ``du.preempted``: when True, save a checkpoint at that step and
 exit 0 (KIND sigterm sends SIGTERM to RANK itself); --hold-at STEP: every rank waits at STEP,
 in ``du.preempted`` collectives, until a signal preempts the job.
 """
 
 import argparse
+import hashlib
 import os
 import signal
 import subprocess
@@ -40,6 +41,7 @@ p.add_argument("--die-at", type=int)
 p.add_argument("--fault", action="append", default=[])
 p.add_argument("--cut")
 p.add_argument("--shard", action="store_true")
+p.add_argument("--diloco", type=int)
 p.add_argument("--preempt", action="store_true")
 p.add_argument("--hold-at", type=int)
 args = p.parse_args()
@@ -73,7 +75,8 @@ data = du.DistributedDataContainer(backend, (X, Y, np.arange(len(X))))
 
 mx.random.seed(1)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
-opt = du.DistributedOptimizer(backend, optim.Adam(1e-2), shard_optimizer_state=args.shard)
+opt = (du.DistributedOptimizer(backend, optim.Adam(1e-2), shard_optimizer_state=args.shard) if args.diloco is None
+       else du.DiLoCo(backend, optim.Adam(1e-2), sync_every=args.diloco))  # fmt: skip
 du.synchronize(backend, model)
 loss_and_grad = nn.value_and_grad(model, lambda m, x, y: ((m(x) - y) ** 2).mean())
 
@@ -104,6 +107,7 @@ for epoch in range(data.epoch, args.epochs):
         if step % 5 == 0:
             du.save_checkpoint(backend, args.checkpoints, model=model, optimizer=opt, data=data, step=step, keep=2)
 
+print(f"parameters {hashlib.sha256(b''.join(np.array(p).tobytes() for _, p in tree_flatten(model.parameters()))).hexdigest()[:16]}")
 if du.local_rank(backend) == 0:
     mx.save_safetensors(args.out, dict(tree_flatten(model.parameters())))
     print(f"done at step {step}; checkpoints kept: {sorted(os.listdir(args.checkpoints))}", flush=True)
