@@ -55,6 +55,9 @@ def job_environment(backend: str, world_size: int, report_dir: str, timeout=None
         lib = os.environ.get("MLX_MPI_LIBNAME") or libmpi_path()
         if lib:
             env["MLX_MPI_LIBNAME"] = lib
+        # A rank that aborts because it lost a peer waits a second first, so that mpirun hears
+        # of the rank that died (the cause) before it hears of this one (an effect).
+        env.setdefault("OMPI_MCA_mpi_abort_delay", os.environ.get("OMPI_MCA_mpi_abort_delay", "1"))
     return env
 
 
