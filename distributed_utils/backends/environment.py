@@ -14,6 +14,8 @@ Set by ``du-launch`` for every rank (``job_environment``):
     MLX_RANK, MLX_HOSTFILE   the ring's rank and its JSON list of addresses (ring only)
     MLX_MPI_LIBNAME  the real libmpi for MLX's MPI backend (on Linux the wheel's ``libmpi.so``
                      is a linker script: without this every rank silently runs a world of one)
+    OMPI_MCA_mpi_abort_delay  1 (mpi, mlx-mpi; unless set): a rank that lost a peer aborts a
+                     second later, so that mpirun names the rank that died first
 
 Read here, set by other launchers: OMPI_COMM_WORLD_SIZE/RANK, PMI_SIZE/RANK (mpirun),
 MLX_WORLD_SIZE (NCCL), MLX_IBV_DEVICES (JACCL, set by ``mlx.launch``).
