@@ -158,6 +158,7 @@ class DiLoCo(optim.Optimizer):
         if self._global is None:
             if self.backend.size > 1:
                 check_same_parameters(self.backend, parameters, "DiLoCo")
+                self._check_same_settings()
             self.init(tree_map(lambda _, p: p, gradients, parameters))
         if self._steps == 0 and weight is not None:
             self._weights = [mx.array(0.0)] * self.fragments
@@ -172,6 +173,16 @@ class DiLoCo(optim.Optimizer):
                 local.update(self._sync(f, keys, local))
         self._local = local
         return tree_unflatten(list(local.items()))
+
+    def _check_same_settings(self):
+        """Collective, at the first update: ranks that sync at other steps would wait for each
+        other until the watchdog ends the job; raise ValueError on every rank instead."""
+        mine = (self.sync_every, self.fragments, str(self.compression))
+        everyone = allgather(self.backend, mine)
+        differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+        if differ:
+            raise ValueError(f"DiLoCo: ranks {differ} have other (sync_every, fragments, compression) than rank 0: "
+                             + ", ".join(f"rank {r}: {theirs}" for r, theirs in enumerate(everyone)))  # fmt: skip
 
     def _sync(self, f, keys, local) -> dict:
         """Collective: fragment ``f``'s new global parameters (every rank's alike)."""

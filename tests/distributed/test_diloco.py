@@ -86,7 +86,7 @@ def reference(n, inner, outer, sync_every, steps, weights=None, seed=0):
 def test_a_step_between_syncs_makes_no_collective(backend):
     opt = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=4)
     _, made = train(backend, opt, 12)
-    first = 1 if du.total_workers(backend) > 1 else 0  # the first update checks the starting parameters
+    first = 2 if du.total_workers(backend) > 1 else 0  # the first update checks the parameters and settings
     syncs = 2 if du.total_workers(backend) > 1 else 0  # the structure check, one bucket
     assert made == [first, 0, 0, syncs, 0, 0, 0, syncs, 0, 0, 0, syncs]
 
@@ -196,3 +196,11 @@ def test_a_checkpoint_between_syncs_resumes_bit_for_bit(backend, tmp_path):
 def test_bad_input_is_a_clear_error_on_every_rank(backend, make, error, words):
     with pytest.raises(error, match=words):
         make(backend)
+
+
+@pytest.mark.world(min_size=2)
+def test_ranks_with_other_settings_fail_on_every_rank_at_the_first_update(backend):
+    opt = du.DiLoCo(backend, optim.SGD(0.1), sync_every=4 + (du.local_rank(backend) == 1))
+    with pytest.raises(ValueError, match=r"DiLoCo: ranks \[1\] have other \(sync_every, fragments, compression\) "
+                                         r"than rank 0: rank 0: \(4, 1, 'None'\), rank 1: \(5, 1, 'None'\)"):
+        train(backend, opt, 1)
