@@ -126,7 +126,9 @@ class DiLoCo(optim.Optimizer):
     def whole_state(self) -> dict:
         """Collective: ``state`` plus every rank's local parameters, inner state and weights
         since the last syncs, stacked along a new first axis in rank order: what a checkpoint
-        holds."""
+        holds ({} before the first update or ``init``, on every rank alike)."""
+        if self._global is None:
+            return {}
         weights = mx.zeros((0,)) if self._weights is None else mx.stack(self._weights)
         mine = {"inner": self.inner_optimizer.state, "local": self._local, "weights": weights}
         return {**self.state, "ranks": tree_map(lambda a: allgather(self.backend, a[None]), mine)}
