@@ -208,9 +208,13 @@ def reachable(hosts, args, always=False) -> list:
     return left
 
 
+def is_python(word) -> bool:
+    return re.fullmatch(r"python[0-9.]*", Path(word).name) is not None
+
+
 def interpreter(command) -> str:
     """The Python that runs ``command`` (its first word when that is a Python), for the probes."""
-    return command[0] if re.fullmatch(r"python[0-9.]*", Path(command[0]).name) else sys.executable
+    return command[0] if is_python(command[0]) else sys.executable
 
 
 def environments(hosts, args) -> dict:
@@ -349,8 +353,7 @@ def run_mpirun(hosts, command, args, env):
 def abort_on_failure(command):
     """Run a Python command through ``distributed_utils.run``, which aborts the MPI job when
     the rank fails (instead of hanging in MPI_Finalize); other commands run as they are."""
-    is_python = re.fullmatch(r"python[0-9.]*", Path(command[0]).name)
-    if is_python and len(command) > 1 and (command[1] in ("-m", "-c") or not command[1].startswith("-")):
+    if is_python(command[0]) and len(command) > 1 and (command[1] in ("-m", "-c") or not command[1].startswith("-")):
         return [command[0], "-m", "distributed_utils.run", *command[1:]]
     return command
 
