@@ -32,8 +32,9 @@ from .backends import (
 from .checkpoint import CheckpointError, load_checkpoint, save_adapters, save_checkpoint
 from .data import DistributedDataContainer
 from .diloco import DiLoCo
-from .optimizer import DistributedOptimizer, reduce_gradients
+from .optimizer import DistributedOptimizer
 from .preemption import preempted
+from .reduction import reduce_gradients
 from .synchronize import synchronize
 from .tree import TreeMismatchError
 from .watchdog import watch

@@ -15,7 +15,8 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .api import allgather, check_backend
-from .optimizer import DistributedOptimizer, as_compression, as_weight, check_same_parameters, reduce_gradients
+from .optimizer import DistributedOptimizer, check_same_parameters
+from .reduction import as_compression, as_weight, reduce_gradients
 from .sharded import at_key
 from .tree import check_floating
 

@@ -22,9 +22,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 from pathlib import Path
 
-from .backends.environment import job_environment, listen_error
+from .backends.environment import libmpi_path, listen_error
 from .preflight import differences
 from .supervise import log, spawn, supervise
 
@@ -66,6 +67,35 @@ def run_job(hosts, command, args, attempt=0):
         if args.backend == "ring":
             return run_ring(hosts, command, env, args.remote_shell, args.port, args.grace)
         return run_mpirun(hosts, command, args, env)
+
+
+def job_environment(backend: str, world_size: int, report_dir: str, timeout=None, debug=False, restart=0) -> dict:
+    """What every rank's environment gets on top of the launcher's own."""
+    env = {
+        "DU_REPORT_DIR": report_dir,
+        **{k: os.environ[k] for k in ("DU_TIMEOUT", "DU_DEBUG") if k in os.environ},
+        "DU_BACKEND": backend,
+        "DU_WORLD_SIZE": str(world_size),
+        "DU_JOB_ID": uuid.uuid4().hex,
+        "DU_RESTART": str(restart),
+        "PYTHONUNBUFFERED": "1",
+        # so that `python` in the command is the interpreter that runs du-launch
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
+    if os.isatty(1) and "COLUMNS" not in os.environ:  # for progress bars: the width left after "[rank R] "
+        env["COLUMNS"] = str(max(20, shutil.get_terminal_size().columns - len(f"[rank {world_size - 1}] ")))
+    if timeout is not None:
+        env["DU_TIMEOUT"] = str(timeout)
+    if debug:
+        env["DU_DEBUG"] = "1"
+    if backend in ("mpi", "mlx-mpi"):
+        lib = os.environ.get("MLX_MPI_LIBNAME") or libmpi_path()
+        if lib:
+            env["MLX_MPI_LIBNAME"] = lib
+        # A rank that aborts because it lost a peer waits a second first, so that mpirun hears
+        # of the rank that died (the cause) before it hears of this one (an effect).
+        env.setdefault("OMPI_MCA_mpi_abort_delay", os.environ.get("OMPI_MCA_mpi_abort_delay", "1"))
+    return env
 
 
 def check(every_host, args) -> int:

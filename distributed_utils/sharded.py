@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .api import allgather, allreduce_arrays, reduce_scatter_sum
+from .api import allgather
 from .tree import check_floating
 
 #: Optimizers whose update is element by element: their state can be split anywhere.
@@ -105,20 +105,17 @@ class ShardedState:
     state of this rank's pieces of the parameters, keyed by the parameters' names
     (``opt.state["layers.0.weight"]["m"]``: a 1-d piece of that parameter's moment)."""
 
-    def __init__(self, backend, optimizer, reduce, average, compression=None):
-        """``reduce(arrays, scale, weight)``: every rank's ``arrays`` (a list) reduced as the
-        optimizer reduces them (``reduce_leaves``); ``average``: whether its op is "avg"."""
+    def __init__(self, backend, optimizer, reduction):
+        """``reduction``: how the gradients are reduced (the owner's ``Reduction``)."""
         check_elementwise(optimizer)
-        self.backend, self.optimizer, self.reduce, self.compression = backend, optimizer, reduce, compression
-        self.average = average
+        self.backend, self.optimizer, self.reduction = backend, optimizer, reduction
         self.layout = None
         self._pending = None  # a whole state loaded before the layout was known
 
-    def step(self, gradients, parameters, scale, weight=None):
+    def step(self, gradients, parameters, scale, weight, what):
         """Collective: the updated parameters for the keys of ``gradients`` (a tree), from
-        every rank's ``gradients`` reduced as ``reduce`` does (``weight``: they are already
-        multiplied by this rank's weight, and their weighted mean is taken)."""
-        leaves = _floating_leaves(gradients, "DistributedOptimizer.update(grads)")
+        every rank's ``gradients`` reduced by ``reduction`` (``weight``: this rank's, or None)."""
+        leaves = self.reduction.leaves(gradients, weight, what)
         layout = self._layout(leaves)
         # Nothing here holds the pieces while the all-gather evaluates the update: MLX can then
         # reuse their buffers for its results (as it does for an unsharded optimizer).
@@ -182,29 +179,13 @@ class ShardedState:
 
     def _my_gradients(self, leaves, scale, weight) -> dict:
         """This rank's pieces of the reduced gradients."""
-        layout = self.layout
-        if not self.backend.native_reduce_scatter or self.compression == "int8":  # (int8: scales travel first)
-            reduced = self.reduce([a for _, a in leaves], scale, weight)
-            return layout.mine(dict(zip([key for key, _ in leaves], reduced)))
-        if weight is not None:  # (a reduce-scatter cannot carry the weights along)
-            scale = scale / mx.maximum(allreduce_arrays(self.backend, [weight.reshape(1)], "sum")[0], 1e-30)
-        elif self.average:
-            scale = scale / self.backend.size
-        grads, pieces = dict(leaves), {}
-        for name in layout.groups:
-            pieces.update(layout.split(self._reduce_scatter(layout.flatten(grads, name), scale), name))
-        return pieces
-
-    def _reduce_scatter(self, flat, scale):
-        """This rank's part of the sum of every rank's ``flat``, times ``scale`` (a number or
-        a 0-d array)."""
-        if self.compression is None or flat.dtype.size <= 2:
-            part = reduce_scatter_sum(self.backend, flat)
-        else:  # pre-divided by n, so that the sum of 16-bit floats cannot overflow (as reduce_gradients)
-            n = self.backend.size
-            part = reduce_scatter_sum(self.backend, (flat * (1 / n)).astype(self.compression)).astype(flat.dtype)
-            scale = scale * n
-        return (part * scale).astype(flat.dtype)
+        layout, grads = self.layout, dict(leaves)
+        if not self.reduction.scatters:  # (measured faster on MPI: see the module's docstring)
+            reduced = self.reduction.allreduce([a for _, a in leaves], scale, weight)
+            return layout.mine(dict(zip(grads, reduced)))
+        names = list(layout.groups)
+        parts = self.reduction.reduce_scatter([layout.flatten(grads, name) for name in names], scale, weight)
+        return {key: piece for name, part in zip(names, parts) for key, piece in layout.split(part, name).items()}
 
 
 def _floating_leaves(tree, what):

@@ -1,0 +1,188 @@
+"""The one reduction of gradients: ``reduce_gradients``, a free function over a tree (like
+``mlx.nn.average_gradients``), and ``Reduction``, which every reduction of floating arrays
+in the library goes through (``DistributedOptimizer``, its sharded state, ``DiLoCo``).
+
+``Reduction`` decides once, from the op, the world size N, the weight and the compression,
+how each array g travels and comes back:
+
+    sent   = g * w / unit, in the wire dtype          (w: this rank's weight, else 1)
+    result = (sum over the ranks of sent) * unit * factor, in g's dtype
+    factor = scale / (sum of the weights) when weighted, else scale / N ("avg") or scale ("sum")
+
+    compression      wire dtype                              unit
+    None             g's                                     1 (unweighted: the transport scales)
+    bfloat16/float16 that dtype (g's when it is no wider)    N, so that the sum cannot overflow
+    int8             int8                                    (max over the ranks of |g w|) / (127 // N)
+"""
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .api import allgather, allreduce_arrays, reduce_scatter_sum
+from .tree import GRADIENT_BUCKET_BYTES, buckets, check_floating, describe, pack, replace_arrays, unpack
+from .tree import verify_same_structure
+from .watchdog import evaluate
+
+
+def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, weight=None, compression=None, bucket_bytes=None,
+                     what="reduce_gradients(grads)"):  # fmt: skip
+    """Collective: ``gradients`` (a tree) reduced across ranks, as a tree of the same structure.
+
+    Args:
+        backend: the backend the ranks share.
+        gradients: a tree of floating mx.arrays; other leaves pass through.
+        op: ``"avg"`` (the default: with a mean-reduced loss, N ranks at batch B step like one
+            process at batch N*B) or ``"sum"``.
+        scale: a factor folded into the same pass (``reduce_gradients(g, scale=1/k)`` averages
+            the sum of k accumulated steps). Default 1.
+        weight: this rank's weight (a number or a 0-d mx.array, such as its count of tokens):
+            the result is the weighted mean ``sum_r weight_r * g_r / sum_r weight_r`` (op
+            "avg" only), so that with per-token-mean losses N ranks step exactly like one
+            process on the union of their tokens. The weights travel packed with the gradients
+            (in the same collective as the float32 ones). If every rank's weight is 0 the
+            gradients are 0. Default None.
+        compression: what travels (``as_compression``). ``mx.bfloat16`` or ``mx.float16``
+            (or their names): the gradients travel in that dtype, pre-divided by the world
+            size (so the sum cannot overflow), cast back after; MPIBackend has no 16-bit float
+            type and sends float32 (rounding only). ``"int8"``: each array travels as int8
+            with a scale of its own (its largest magnitude over the ranks, found in one small
+            allgather first), in ``127 // N`` levels each side so that the int8 sum of N ranks
+            cannot overflow: a quarter of float32's bytes, about 6 bits of precision at
+            2 ranks and 4 at 8 (meant for DiLoCo's pseudo-gradients). Default None.
+        bucket_bytes: arrays smaller than this travel packed by dtype, up to this many bytes a
+            collective; 0 sends each alone. Default (None): ``GRADIENT_BUCKET_BYTES`` (32 MiB).
+
+    Every call first checks that every rank passes the same tree (keys, shapes, dtypes, and
+    whether weighted; one 32-byte allgather; not while MLX traces a function, when nothing
+    may talk eagerly), and raises ``TreeMismatchError`` on every rank if not.
+    On MPIBackend the gradients are reduced in their own memory when they can be (evaluated,
+    contiguous, not sharing memory with each other): afterwards those arrays hold the result.
+    In a world of one, ``gradients`` come back as they are (scaled if ``scale`` is not 1).
+    """
+    reduction = Reduction(backend, op, compression, bucket_bytes)
+    weight = None if weight is None else as_weight(weight)
+    leaves = reduction.leaves(gradients, weight, what)
+    return replace_arrays(gradients, reduction.allreduce([g for _, g in leaves], scale, weight))
+
+
+class Reduction:
+    """How floating arrays are reduced across ranks (see the module's docstring); collective."""
+
+    def __init__(self, backend, op="avg", compression=None, bucket_bytes=None):
+        if op not in ("avg", "sum"):
+            raise ValueError(f"op must be 'avg' (du.avg) or 'sum', got {op!r}")
+        self.backend, self.op, self.compression = backend, op, as_compression(compression)
+        self.bucket_bytes = GRADIENT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+
+    @property
+    def scatters(self) -> bool:
+        """Whether ``reduce_scatter`` should serve a rank that needs only its part: the transport
+        has its own (half an all-reduce's traffic), and no int8 scales must travel first."""
+        return self.backend.native_reduce_scatter and self.compression != "int8"
+
+    def leaves(self, tree, weight, what) -> list:
+        """Collective: ``[(key, array)]``, the mx.arrays of ``tree``, once every rank is found to
+        pass the same tree, weighted alike (else ``TreeMismatchError`` on every rank); a
+        TypeError for an array that is not floating."""
+        if weight is not None and self.op != "avg":
+            raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {self.op!r}")
+        flat = [(key, g) for key, g in tree_flatten(tree) if isinstance(g, mx.array)]
+        if self.backend.size > 1 and evaluate([g for _, g in flat]):  # (not while MLX traces)
+            weighted = [("(weight)", "weighted")] if weight is not None else []
+            verify_same_structure(self.backend, describe(tree) + weighted, what)
+        check_floating(flat, what)  # after the check: the same on every rank, as the dtypes agree
+        return flat
+
+    def allreduce(self, leaves, scale=1.0, weight=None) -> list:
+        """Collective: each of ``leaves`` (floating mx.arrays) reduced across ranks, times
+        ``scale``; ``weight``: this rank's (a 0-d float32 mx.array), for the weighted mean."""
+        if self.backend.size == 1 and weight is None:
+            return leaves if scale == 1.0 else [g * scale for g in leaves]
+        if self.compression is None and weight is None:  # as they are: the transport scales
+            return _bucketed(self.backend, leaves, self._factor(scale), self.bucket_bytes)
+        units, total = self._units(leaves, weight)
+        weights = [weight.reshape(1)] if weight is not None and total is None else []  # with the float32 ones
+        sent = [self._sent(g, unit, weight) for g, unit in zip(leaves, units)]
+        sums = _bucketed(self.backend, sent + weights, 1.0, self.bucket_bytes)
+        factor = self._factor(scale, sums[-1] if weights else total)
+        return [_scaled(s, unit * factor, g.dtype) for s, g, unit in zip(sums, leaves, units)]
+
+    def reduce_scatter(self, flats, scale=1.0, weight=None) -> list:
+        """Collective: for each of ``flats`` (1-d, their lengths multiples of N), this rank's
+        part of what ``allreduce`` gives, through the transport's reduce-scatter (``scatters``)."""
+        total = None if weight is None else allreduce_arrays(self.backend, [weight.reshape(1)], "sum")[0]
+        unit = 1.0 if self.compression is None else float(self.backend.size)
+        factor = unit * self._factor(scale, total)
+        sent = [flat if unit == 1.0 and weight is None else self._sent(flat, unit, weight) for flat in flats]
+        return [_scaled(reduce_scatter_sum(self.backend, s), factor, flat.dtype) for s, flat in zip(sent, flats)]
+
+    def _units(self, leaves, weight):
+        """Per leaf, what one unit on the wire is worth; and the total weight when the int8
+        scales brought it already (one allgather of every array's largest magnitude)."""
+        n = self.backend.size
+        if self.compression != "int8":
+            return [1.0 if self.compression is None else float(n)] * len(leaves), None
+        w = mx.array(1.0) if weight is None else weight
+        local = [mx.max(mx.abs(g)).astype(mx.float32) * mx.abs(w) if g.size else mx.array(0.0) for g in leaves]
+        everyone = allgather(self.backend, mx.stack(local + [w])[None])
+        steps = mx.max(everyone[:, :-1], axis=0) / (127 // n)
+        units = [mx.where(s > 0, s, 1.0) for s in steps]  # an array of zeros: any unit
+        return units, None if weight is None else mx.sum(everyone[:, -1])
+
+    def _sent(self, g, unit, weight):
+        """What travels for ``g``: ``g * weight / unit`` in the wire dtype."""
+        narrow = self.compression is None or (self.compression != "int8" and g.dtype.size <= 2)
+        return _scaled(g, (1.0 if weight is None else weight) / unit, g.dtype if narrow else self.compression)
+
+    def _factor(self, scale, total=None):
+        if total is not None:  # every weight 0: gradients 0
+            return scale / mx.maximum(total.reshape(()), mx.array(1e-30, mx.float32))
+        return scale / self.backend.size if self.op == "avg" else scale
+
+
+def as_compression(compression):
+    """None, ``mx.bfloat16``, ``mx.float16`` or ``"int8"``, from those or their names (a
+    ValueError for anything else)."""
+    name = compression if compression is None or isinstance(compression, str) else str(compression)
+    name = name if name is None else name.removeprefix("mlx.core.")
+    if name not in (None, "bfloat16", "float16", "int8"):
+        raise ValueError(f"compression must be None, 'bfloat16', 'float16' or 'int8', got {compression!r}")
+    return getattr(mx, name) if name in ("bfloat16", "float16") else name
+
+
+def as_weight(weight) -> mx.array:
+    """A rank's weight as a 0-d float32 mx.array."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float, np.number, mx.array)):
+        raise TypeError(f"weight must be a number or a 0-d mx.array (such as a count of tokens), got {weight!r}")
+    weight = mx.array(weight, mx.float32) if not isinstance(weight, mx.array) else weight.astype(mx.float32)
+    if weight.ndim != 0:
+        raise ValueError(f"weight must be 0-d (one number per rank), got shape {weight.shape}")
+    return weight
+
+
+def _bucketed(backend, arrays, scale, bucket_bytes):
+    """The sum of each of ``arrays`` across ranks times ``scale``, the small ones packed."""
+    groups = buckets(arrays, bucket_bytes)
+    packed = [pack(arrays, g) for g in groups]
+    # in place: the packer's copies, or the caller's own arrays (as documented)
+    sums = allreduce_arrays(backend, packed, "sum", scale, in_place=True)
+    out = [None] * len(arrays)
+    for group, total in zip(groups, sums):
+        for i, piece in zip(group, unpack(total, arrays, group)):
+            out[i] = piece
+    return out
+
+
+def _scaled(x, s, dtype):
+    """``(x * s).astype(dtype)`` (``dtype`` "int8": rounded to the nearest) in one fused pass."""
+    return _fused(dtype)(x, s if isinstance(s, mx.array) else mx.array(s, mx.float32))
+
+
+@functools.cache
+def _fused(dtype):  # shapeless, and the scale an array: one trace for every shape and scale
+    if dtype == "int8":
+        return mx.compile(lambda x, s: mx.round(x * s).astype(mx.int8), shapeless=True)
+    return mx.compile(lambda x, s: (x * s).astype(dtype), shapeless=True)
