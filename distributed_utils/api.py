@@ -321,15 +321,15 @@ class _Failed:
 def root_runs(backend, fn, root, error_type, doing: str):
     """Collective: ``fn()`` run on ``root`` alone, its (picklable) result returned on every
     rank; if it raises, every rank raises ``error_type`` naming root and what it was ``doing``."""
-    result = error = None
+    result = error = cause = None
     if backend.rank == root:
         try:
             result = fn()
         except Exception as e:  # the other ranks must hear of it rather than wait
-            error = f"{type(e).__name__}: {e}"
+            error, cause = f"{type(e).__name__}: {e}", e
     result, error = _bcast_object(backend, (result, error), root)
     if error is not None:
-        raise error_type(f"rank {root} could not {doing}: {error}")
+        raise error_type(f"rank {root} could not {doing}: {error}") from cause  # (root's traceback, on root)
     return result
 
 

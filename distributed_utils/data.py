@@ -1,14 +1,11 @@
 """DistributedDataContainer: this rank's share of a data set, and equal-length epochs of batches.
 
-Sized data (anything with ``len`` and indexing) is split without communication: rank r of P
-owns the contiguous items ``shard_bounds(N, P, r)`` (``np.array_split``'s boundaries, which
-equal Lux's ``ceil(N/P)`` chunks when P divides N, and work for any P, even P > N). Shards are
-disjoint and cover the data. The container keeps only an index map: it never copies the data,
-and reads items (or rows of a batch, with one ``data[indices]`` call for arrays and Hugging
-Face datasets) only when they are asked for.
+Sized data (anything with ``len`` and indexing) is split without communication, by
+``partition.py``. The container keeps only an index map: it never copies the data, and reads
+items (or rows of a batch, with one ``data[indices]`` call for arrays and Hugging Face
+datasets) only when they are asked for.
 """
 
-import hashlib
 import itertools
 import operator
 import sys
@@ -20,140 +17,11 @@ import numpy as np
 
 from . import watchdog
 from .api import allgather, allreduce, local_rank, total_workers
+from .partition import (global_batch, size_of, batch_count, epoch_indices, exactly_once_indices,
+                        group_by_length, share_sizes, shard_bounds)  # fmt: skip
 
-
-#: Length-grouped batches are sorted within runs of this many batches (see ``group_by_length``).
-LENGTH_GROUP_BATCHES = 32
 #: ``batches(share="auto")`` times this many steps (after one warm-up step) of each epoch.
 AUTO_SHARE_STEPS = 4
-
-
-def shard_bounds(n: int, world_size: int, rank: int) -> tuple:
-    """``(start, stop)`` of rank's contiguous shard of ``n`` items: the first ``n % world_size``
-    ranks hold ``ceil(n / world_size)`` items, the others ``floor`` (possibly 0)."""
-    q, r = divmod(n, world_size)
-    start = rank * q + min(rank, r)
-    return start, start + q + (rank < r)
-
-
-def samples_per_rank(n: int, world_size: int, batch_size: int, drop_last: bool) -> int:
-    """How many items every rank visits per epoch: ``ceil(n / P)`` (short ranks repeat items)
-    or, with ``drop_last``, the most full batches every rank can fill without repeats."""
-    if drop_last:
-        return (n // world_size) // batch_size * batch_size
-    return -(-n // world_size)
-
-
-def batch_count(n: int, world_size: int, batch_size, drop_last: bool) -> int:
-    """Batches per epoch on every rank; a function of its arguments alone (no communication).
-    ``batch_size``: one for every rank, or a list of each rank's (``share_sizes``)."""
-    if isinstance(batch_size, list):
-        return n // sum(batch_size) if drop_last else -(-n // sum(batch_size))
-    return -(-samples_per_rank(n, world_size, batch_size, drop_last) // batch_size)
-
-
-def share_sizes(batch_size: int, shares) -> list:
-    """Each rank's batch size for ``shares`` (one positive number per rank): about
-    ``N * batch_size * s_r / sum(s)``, rounded (largest remainders first) so that they add up
-    to exactly ``N * batch_size``."""
-    shares = np.asarray(shares, np.float64)
-    exact = len(shares) * batch_size * shares / shares.sum()
-    sizes = np.floor(exact).astype(np.int64)
-    sizes[np.argsort(sizes - exact, kind="stable")[: len(shares) * batch_size - sizes.sum()]] += 1
-    return sizes.tolist()
-
-
-def _size(batch_size, rank) -> int:
-    """Rank's batch size: ``batch_size``, or its entry when that is every rank's list."""
-    return batch_size[rank] if isinstance(batch_size, list) else batch_size
-
-
-def _global_batch(world_size, batch_size) -> int:
-    return sum(batch_size) if isinstance(batch_size, list) else world_size * batch_size
-
-
-def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=()):
-    """The global indices rank visits in this epoch, in order.
-
-    The epoch's order is ``epoch_order``'s, the same on every rank. Rank r reads that order
-    from the start of its shard, wrapping around the end (``samples_per_rank`` items): without
-    ``drop_last`` a rank whose shard is one item short repeats the next item (the first rank's
-    for the last rank).
-
-    With a list of every rank's batch size (``share_sizes``) the order is read instead in
-    global batches of their sum, rank r taking its slice of each; without ``drop_last`` the
-    last global batch wraps around to the start of the order.
-
-    ``done``: the parts of this epoch that earlier runs visited before a restart at another
-    world size, as ``(world_size, batch_size, batches)``; their items are left out, and the
-    rest of the epoch, in the same order, is sharded as above."""
-    left = remaining_positions(n, done)
-    return epoch_order(n, shuffle, seed, epoch)[left[_share(len(left), world_size, rank, batch_size, drop_last)]]
-
-
-def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0):
-    """``(indices, real)``: the global indices rank visits when every item must be visited
-    exactly once (evaluation): its own shard of the epoch's order, then filler (its first item
-    again) up to the same whole number of batches on every rank; ``real`` is False for filler."""
-    order = epoch_order(n, shuffle, seed, epoch)
-    if isinstance(batch_size, list):  # in global batches: the positions past the end are filler
-        positions = _global_batches(n, batch_size, rank, False)
-        real = positions < n
-        return order[np.where(real, positions, positions[0] % n)], real
-    start, stop = shard_bounds(n, world_size, rank)
-    total = batch_count(n, world_size, batch_size, False) * batch_size
-    mine = order[start:stop]
-    filler = np.full(total - len(mine), mine[0] if len(mine) else order[0])
-    return np.concatenate([mine, filler]), np.arange(total) < len(mine)
-
-
-def group_by_length(order, lengths, batch_size, real=None):
-    """``order`` with each run of ``LENGTH_GROUP_BATCHES`` batches sorted by length, longest
-    first (a stable sort): a batch then holds items of similar lengths, so less padding, and
-    the runs keep the epoch's (shuffled) order. ``lengths(indices)`` gives their lengths.
-    With ``real`` (see ``exactly_once_indices``) only the real items are grouped."""
-    out = np.array(order)
-    count = len(out) if real is None else int(real.sum())
-    run = LENGTH_GROUP_BATCHES * batch_size
-    for s in range(0, count, run):
-        chunk = out[s : min(s + run, count)]
-        out[s : s + len(chunk)] = chunk[np.argsort(-np.asarray(lengths(chunk)), kind="stable")]
-    return out
-
-
-def epoch_order(n, shuffle, seed, epoch) -> np.ndarray:
-    """The epoch's order of the ``n`` items: ``range(n)``, or with ``shuffle`` one permutation
-    drawn from ``np.random.default_rng((seed, epoch))``, the same on every rank."""
-    return np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
-
-
-def remaining_positions(n: int, done=()) -> np.ndarray:
-    """The positions in an epoch's order of ``n`` items not yet visited after the ``done``
-    parts ``(world_size, batch_size, batches)``, each run on what the parts before it left."""
-    left = np.arange(n)
-    for world_size, batch_size, batches in done:
-        visited = np.zeros(len(left), bool)
-        for rank in range(world_size):  # (the first batches of a share are the same with drop_last)
-            visited[_share(len(left), world_size, rank, batch_size, False)[: batches * _size(batch_size, rank)]] = True
-        left = left[~visited]
-    return left
-
-
-def _share(m, world_size, rank, batch_size, drop_last) -> np.ndarray:
-    """Which of ``m`` positions rank visits, in order: its shard's, wrapping around the end."""
-    if m == 0:
-        return np.arange(0)
-    if isinstance(batch_size, list):
-        return _global_batches(m, batch_size, rank, drop_last) % m
-    start, _ = shard_bounds(m, world_size, rank)
-    return (start + np.arange(samples_per_rank(m, world_size, batch_size, drop_last))) % m
-
-
-def _global_batches(m, sizes, rank, drop_last) -> np.ndarray:
-    """Rank's slice of each global batch of ``sum(sizes)`` of ``m`` positions (past ``m`` in the last)."""
-    steps = batch_count(m, len(sizes), sizes, drop_last)
-    return (np.arange(steps)[:, None] * sum(sizes) + sum(sizes[:rank]) + np.arange(sizes[rank])).reshape(-1)
-
 
 class DistributedDataContainer:
     """This rank's share of ``data``, read lazily.
@@ -302,9 +170,9 @@ class DistributedDataContainer:
         if self.rank == 0:
             warnings.warn(
                 f"{self._label}: epoch {epoch} was saved after {batches} batches of {saved_batch} items on each of "
-                f"{world_size} ranks (global batch {_global_batch(world_size, saved_batch)}); its items not yet "
+                f"{world_size} ranks (global batch {global_batch(world_size, saved_batch)}); its items not yet "
                 f"visited are sharded anew over {self.world_size} ranks with batches of {batch_size} (global batch "
-                f"{_global_batch(self.world_size, batch_size)})",
+                f"{global_batch(self.world_size, batch_size)})",
                 stacklevel=3,
             )
         return [*before, (world_size, saved_batch, batches)], 0
@@ -373,28 +241,13 @@ class DistributedDataContainer:
     def _sized_batches(self, order_of, before, batch_size, start, auto):
         """The epoch's batches (``batch_size``: one, or every rank's list), keeping ``state_dict``
         up to date as they are handed out; with ``auto``, re-split once the shares are measured."""
-        mine = _size(batch_size, self.rank)
+        mine = size_of(batch_size, self.rank)
         order = epoch_indices(self._n, self.world_size, self.rank, batch_size, done=before, **order_of)
         if self._lengths is not None:
             order = group_by_length(order, self._lengths, mine)
         self._check_start(start, -(-len(order) // mine))
-        return self._handed_out(order, order_of, before, batch_size, start, auto)
-
-    def _handed_out(self, order, order_of, before, batch_size, start, auto):
-        epoch, mine = order_of["epoch"], _size(batch_size, self.rank)
-        self.epoch, self._before, self._part = epoch, before, (self.world_size, batch_size, start)
-        clock = []  # (seconds, seconds in collectives) at each hand-out, for auto
-        for b in range(start * mine, len(order), mine):
-            self._part = (self.world_size, batch_size, self._part[2] + 1)
-            clock.append((time.monotonic(), watchdog.waited()))
-            if auto and len(clock) == AUTO_SHARE_STEPS + 1:  # the first step is a warm-up
-                sizes = self._measured_sizes(batch_size, clock[1:])
-                if sizes != batch_size:  # the rest of the epoch, split anew, from this batch on
-                    done = (self.world_size, batch_size, self._part[2] - 1)
-                    yield from self._sized_batches(order_of, [*before, done], sizes, 0, False)
-                    return
-            yield self._fetch(order[b : b + mine])
-        self.epoch, self._before, self._part = epoch + 1, [], (self.world_size, batch_size, 0)
+        batches = (self._fetch(order[b : b + mine]) for b in range(start * mine, len(order), mine))
+        return self._counted(order_of["epoch"], before, batch_size, start, batches, order_of if auto else None)
 
     def _agreed_sizes(self, batch_size, share) -> list:
         """Collective: every rank's batch size for ``share`` (this rank's number, or "auto":
@@ -419,7 +272,7 @@ class DistributedDataContainer:
     def _measured_sizes(self, sizes, clock) -> list:
         """Collective: batch sizes in proportion to each rank's items per second of its own work."""
         (t0, w0), (t1, w1) = clock[0], clock[-1]
-        speed = _size(sizes, self.rank) * (len(clock) - 1) / max((t1 - t0) - (w1 - w0), 1e-9)
+        speed = size_of(sizes, self.rank) * (len(clock) - 1) / max((t1 - t0) - (w1 - w0), 1e-9)
         speeds = allgather(self.backend, np.array([speed]))
         self._auto_sizes = share_sizes(sum(sizes) // self.world_size, speeds)
         for r in [r for r, k in enumerate(self._auto_sizes) if k == 0]:  # every rank keeps an item a step
@@ -437,7 +290,7 @@ class DistributedDataContainer:
             raise ValueError(f"{self._label}: exactly_once cannot visit every item once here: {why}")
         order, real = exactly_once_indices(self._n, self.world_size, self.rank, batch_size,
                                            shuffle=shuffle, seed=seed, epoch=epoch)  # fmt: skip
-        mine = _size(batch_size, self.rank)
+        mine = size_of(batch_size, self.rank)
         if self._lengths is not None:
             order = group_by_length(order, self._lengths, mine, real)
         self._check_start(start, len(order) // mine)
@@ -450,23 +303,28 @@ class DistributedDataContainer:
         if not 0 <= start <= total:
             raise ValueError(f"{self._label}: start={start} is not in 0..{total} (batches in this epoch)")
 
-    def _counted(self, epoch, before, batch_size, start, batches):
-        """``batches``, keeping ``state_dict`` up to date as they are handed out."""
+    def _counted(self, epoch, before, batch_size, start, batches, auto=None):
+        """``batches``, keeping ``state_dict`` up to date as they are handed out; ``auto`` (the
+        epoch's order, for ``share="auto"``): re-split once the ranks' speeds are measured."""
         self.epoch, self._before, self._part = epoch, before, (self.world_size, batch_size, start)
+        clock = []  # (seconds, seconds in collectives) at each hand-out
         for batch in batches:
             self._part = (self.world_size, batch_size, self._part[2] + 1)
+            clock.append((time.monotonic(), watchdog.waited()))
+            if auto and len(clock) == AUTO_SHARE_STEPS + 1:  # the first step is a warm-up
+                sizes = self._measured_sizes(batch_size, clock[1:])
+                if sizes != batch_size:  # the rest of the epoch, split anew, from this batch on
+                    done = (self.world_size, batch_size, self._part[2] - 1)
+                    yield from self._sized_batches(auto, [*before, done], sizes, 0, False)
+                    return
             yield batch
         self.epoch, self._before, self._part = epoch + 1, [], (self.world_size, batch_size, 0)
 
     def _check_same_everywhere(self, **arguments):
-        # seed: any value numpy's default_rng takes; compared by a 62-bit digest of its repr
-        mine = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:8]) >> 2 if k == "seed" else int(v)
-                for k, v in arguments.items()]  # fmt: skip
-        everyone = allgather(self.backend, np.array([mine], np.int64))
-        for column, name in enumerate(arguments):
-            if (everyone[:, column] != everyone[0, column]).any():
-                values = allgather(self.backend, repr(arguments[name]))
-                shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        everyone = allgather(self.backend, {name: repr(value) for name, value in arguments.items()})
+        for name in arguments:
+            if any(theirs[name] != everyone[0][name] for theirs in everyone):
+                shown = ", ".join(f"rank {r}: {theirs[name]}" for r, theirs in enumerate(everyone))
                 raise ValueError(f"{self._label}: batches() needs the same {name} on every rank ({shown})")
 
     def _stream_batches(self, batch_size, drop_last, skipped, start):

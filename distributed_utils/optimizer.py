@@ -69,7 +69,6 @@ class DistributedOptimizer(optim.Optimizer):
         self.backend, self.optimizer, self.accumulate_steps = backend, optimizer, accumulate_steps
         self.reduction = Reduction(backend, op, compression, bucket_bytes)
         self.shards = ShardedState(backend, optimizer, self.reduction) if shard_optimizer_state else None
-        self._first = True  # the first update raises MLX's cache limit for the gradient buffers
         self._parameters_checked = backend.size == 1
         self._sum, self._weight, self._calls = None, None, 0  # this accumulation cycle's, on this rank
 
@@ -148,9 +147,6 @@ class DistributedOptimizer(optim.Optimizer):
     def _step(self, gradients, parameters, target, weight):
         """The updated parameters (``target``: what the wrapped optimizer updates, the model
         or ``parameters``), or None while an accumulation cycle goes on."""
-        if self._first:
-            _raise_cache_limit(4 * sum(g.nbytes for _, g in tree_flatten(gradients) if isinstance(g, mx.array)))
-            self._first = False
         if not self._parameters_checked and evaluate(parameters):  # (not while MLX traces)
             check_same_parameters(self.backend, parameters)
             self._parameters_checked = True
@@ -206,11 +202,3 @@ def check_same_parameters(backend, parameters, who="DistributedOptimizer"):
 def _add(a, b):
     """The sum of two accumulated leaves (other leaves: the first)."""
     return a + b if isinstance(a, mx.array) else a
-
-
-def _raise_cache_limit(nbytes: int):
-    """MLX's CPU cache keeps 32 MiB by default: every larger buffer a step frees is unmapped
-    and mapped anew the next step (page faults and zeroing, several memory passes)."""
-    previous = mx.set_cache_limit(nbytes)
-    if previous > nbytes:
-        mx.set_cache_limit(previous)

@@ -101,6 +101,7 @@ class Reduction:
         ``scale``; ``weight``: this rank's (a 0-d float32 mx.array), for the weighted mean."""
         if self.backend.size == 1 and weight is None:
             return leaves if scale == 1.0 else [g * scale for g in leaves]
+        _raise_cache_limit(4 * sum(g.nbytes for g in leaves))
         if self.compression is None and weight is None:  # as they are: the transport scales
             return _bucketed(self.backend, leaves, self._factor(scale), self.bucket_bytes)
         units, total = self._units(leaves, weight)
@@ -113,6 +114,7 @@ class Reduction:
     def reduce_scatter(self, flats, scale=1.0, weight=None) -> list:
         """Collective: for each of ``flats`` (1-d, their lengths multiples of N), this rank's
         part of what ``allreduce`` gives, through the transport's reduce-scatter (``scatters``)."""
+        _raise_cache_limit(4 * sum(flat.nbytes for flat in flats))
         total = None if weight is None else allreduce_arrays(self.backend, [weight.reshape(1)], "sum")[0]
         unit = 1.0 if self.compression is None else float(self.backend.size)
         factor = unit * self._factor(scale, total)
@@ -186,3 +188,11 @@ def _fused(dtype):  # shapeless, and the scale an array: one trace for every sha
     if dtype == "int8":
         return mx.compile(lambda x, s: mx.round(x * s).astype(mx.int8), shapeless=True)
     return mx.compile(lambda x, s: (x * s).astype(dtype), shapeless=True)
+
+
+def _raise_cache_limit(nbytes: int):
+    """MLX's CPU cache keeps 32 MiB by default: every larger buffer a step frees is unmapped
+    and mapped anew the next step (page faults and zeroing, several memory passes)."""
+    previous = mx.set_cache_limit(nbytes)
+    if previous > nbytes:
+        mx.set_cache_limit(previous)

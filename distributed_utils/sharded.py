@@ -1,14 +1,14 @@
 """Sharded optimizer state (ZeRO stage 1): each rank keeps the optimizer state of its share of
 the parameters, about 1/N of it, and a step is:
 
-1. the gradients are reduced, and each rank takes its part: with the parameters laid out as
-   one flat vector per dtype, padded to a multiple of the world size, rank r owns part r.
+1. the gradients are reduced, and each rank takes its shard: with the parameters laid out as
+   one flat vector per dtype, padded to a multiple of the world size, rank r owns shard r.
    Where the transport has a native reduce-scatter (NCCL, JACCL) that is one reduce-scatter;
    elsewhere it is the usual reduction (``reduce_gradients``: in place and in pieces on MPI,
-   bucketed on the ring), then the part is sliced out: measured, Open MPI's reduce-scatter
+   bucketed on the ring), then the shard is sliced out: measured, Open MPI's reduce-scatter
    takes longer than its all-reduce in pieces, and it needs a flat copy of the gradients;
-2. each rank's optimizer updates its part of the parameters, with its part of the state;
-3. the updated parts are all-gathered into the whole parameters, the same on every rank.
+2. each rank's optimizer updates its shard of the parameters, with its shard of the state;
+3. the updated shards are all-gathered into the whole parameters, the same on every rank.
 
 This is exact for optimizers that work element by element (``ELEMENTWISE``): the update of
 each element depends only on that element's gradient, parameter and state, and on the step.
@@ -43,48 +43,49 @@ def check_elementwise(optimizer):
 
 class Layout:
     """Where each gradient leaf lies in one flat vector per dtype (in ``tree_flatten`` order),
-    padded to a multiple of the world size: rank r owns part r, ``chunk`` elements long, made
-    of pieces of the leaves it overlaps (``pieces``: key -> (group, start, stop) in the leaf)."""
+    padded to a multiple of the world size. Rank r's **shard** of a vector is its r-th part,
+    ``shard_size[dtype name]`` elements; a **slice** is a shard's overlap with one leaf
+    (``slices``: key -> (dtype name, start, stop) in the flat leaf)."""
 
     def __init__(self, leaves, size, rank):
         self.signature = [(key, a.shape, a.dtype) for key, a in leaves]
-        self.groups = {}  # dtype name -> [(key, shape, start, stop)]
+        self.groups = {}  # dtype name -> [(key, shape, start, stop)] in the flat vector
         for key, a in leaves:
             entries = self.groups.setdefault(str(a.dtype).removeprefix("mlx.core."), [])
             start = entries[-1][3] if entries else 0
             entries.append((key, a.shape, start, start + a.size))
         self.size, self.rank = size, rank
-        self.chunk = {name: -(-entries[-1][3] // size) for name, entries in self.groups.items()}
-        self.pieces = {}
+        self.shard_size = {name: -(-entries[-1][3] // size) for name, entries in self.groups.items()}
+        self.slices = {}
         for name, entries in self.groups.items():
-            lo, hi = rank * self.chunk[name], (rank + 1) * self.chunk[name]
+            lo, hi = rank * self.shard_size[name], (rank + 1) * self.shard_size[name]
             for key, _, start, stop in entries:
                 if start < hi and lo < stop:
-                    self.pieces[key] = (name, max(lo, start) - start, min(hi, stop) - start)
+                    self.slices[key] = (name, max(lo, start) - start, min(hi, stop) - start)
 
     def fits(self, leaves) -> bool:
         return self.signature == [(key, a.shape, a.dtype) for key, a in leaves]
 
-    def mine(self, arrays: dict) -> dict:
-        """``{key: this rank's piece of arrays[key], flat}`` (slices: no copies)."""
-        return {key: arrays[key].reshape(-1)[a:b] for key, (_, a, b) in self.pieces.items()}
+    def my_slices(self, arrays: dict) -> dict:
+        """``{key: this rank's slice of arrays[key]}``, 1-d (views: no copies)."""
+        return {key: arrays[key].reshape(-1)[a:b] for key, (_, a, b) in self.slices.items()}
 
     def flatten(self, arrays: dict, name: str) -> mx.array:
         """The flat, padded vector of group ``name`` from ``arrays`` (by key)."""
         flat = [arrays[key].reshape(-1) for key, *_ in self.groups[name]]
-        return _padded(flat, self.chunk[name] * self.size, name)
+        return _padded(flat, self.shard_size[name] * self.size, name)
 
-    def part(self, pieces: dict, name: str) -> mx.array:
-        """This rank's part of group ``name``'s flat vector, from its pieces (``mine``'s form)."""
-        return _padded([pieces[key] for key, *_ in self.groups[name] if key in self.pieces], self.chunk[name], name)
+    def shard(self, slices: dict, name: str) -> mx.array:
+        """This rank's shard of group ``name``'s flat vector, from its slices (``my_slices``'s form)."""
+        return _padded([slices[key] for key, *_ in self.groups[name] if key in self.slices], self.shard_size[name], name)
 
-    def split(self, part: mx.array, name: str) -> dict:
-        """The pieces of this rank's ``part`` of group ``name`` (``part``'s inverse)."""
+    def slices_of(self, shard: mx.array, name: str) -> dict:
+        """The slices of this rank's ``shard`` of group ``name`` (``shard``'s inverse)."""
         out, at = {}, 0
         for key, *_ in self.groups[name]:
-            if key in self.pieces:
-                _, a, b = self.pieces[key]
-                out[key], at = part[at : at + b - a], at + b - a
+            if key in self.slices:
+                _, a, b = self.slices[key]
+                out[key], at = shard[at : at + b - a], at + b - a
         return out
 
     def unflatten(self, flat: mx.array, name: str) -> dict:
@@ -102,8 +103,8 @@ def _padded(parts, length, dtype_name) -> mx.array:
 
 class ShardedState:
     """The sharded update of one ``DistributedOptimizer``. Its wrapped ``optimizer`` holds the
-    state of this rank's pieces of the parameters, keyed by the parameters' names
-    (``opt.state["layers.0.weight"]["m"]``: a 1-d piece of that parameter's moment)."""
+    state of this rank's slices of the parameters, keyed by the parameters' names
+    (``opt.state["layers.0.weight"]["m"]``: a 1-d slice of that parameter's moment)."""
 
     def __init__(self, backend, optimizer, reduction):
         """``reduction``: how the gradients are reduced (the owner's ``Reduction``)."""
@@ -117,41 +118,41 @@ class ShardedState:
         every rank's ``gradients`` reduced by ``reduction`` (``weight``: this rank's, or None)."""
         leaves = self.reduction.leaves(gradients, weight, what)
         layout = self._layout(leaves)
-        # Nothing here holds the pieces while the all-gather evaluates the update: MLX can then
+        # Nothing here holds the slices while the all-gather evaluates the update: MLX can then
         # reuse their buffers for its results (as it does for an unsharded optimizer).
-        mine = layout.mine(dict(tree_flatten(parameters)))
+        mine = layout.my_slices(dict(tree_flatten(parameters)))
         updated = self.optimizer.apply_gradients(self._my_gradients(leaves, scale, weight), mine)
         del mine
         whole = {}
         for name in layout.groups:
-            whole.update(layout.unflatten(allgather(self.backend, layout.part(updated, name)), name))
+            whole.update(layout.unflatten(allgather(self.backend, layout.shard(updated, name)), name))
         return tree_unflatten([(key, whole[key]) for key, *_ in layout.signature])
 
     def init(self, parameters):
-        """Initialize the state of this rank's pieces of ``parameters`` (a tree)."""
+        """Initialize the state of this rank's slices of ``parameters`` (a tree)."""
         layout = self._layout(_floating_leaves(parameters, "DistributedOptimizer.init(parameters)"))
-        self.optimizer.init(layout.mine(dict(tree_flatten(parameters))))
+        self.optimizer.init(layout.my_slices(dict(tree_flatten(parameters))))
 
     def whole_state(self) -> dict:
         """Collective: the state as the wrapped optimizer would hold it unsharded (per
-        parameter, nested like the parameters), gathered from every rank's pieces: what a
+        parameter, nested like the parameters), gathered from every rank's slices: what a
         checkpoint holds."""
         if self.layout is None or self._pending is not None:
             return self._pending if self._pending is not None else self.optimizer.state
         layout, state = self.layout, self.optimizer.state
-        whole = {k: v for k, v in state.items() if k not in layout.pieces}  # step, learning rate
+        whole = {k: v for k, v in state.items() if k not in layout.slices}  # step, learning rate
         per_key = {key: {} for key, *_ in layout.signature}
-        mine = {entry for key in layout.pieces for entry in state.get(key, {})}
-        entries = sorted(set().union(*allgather(self.backend, mine)))  # (a rank may hold no piece)
+        mine = {entry for key in layout.slices for entry in state.get(key, {})}
+        entries = sorted(set().union(*allgather(self.backend, mine)))  # (a rank may hold no slice)
         for name in layout.groups:
             for entry in entries:
-                part = layout.part({key: s[entry] for key, s in state.items() if key in layout.pieces}, name)
-                for key, a in layout.unflatten(allgather(self.backend, part), name).items():
+                shard = layout.shard({key: s[entry] for key, s in state.items() if key in layout.slices}, name)
+                for key, a in layout.unflatten(allgather(self.backend, shard), name).items():
                     per_key[key][entry] = a
         return {**whole, **tree_unflatten(list(per_key.items()))}
 
     def load_whole_state(self, state: dict):
-        """Take this rank's pieces of ``state`` (``whole_state``'s form); kept until the layout
+        """Take this rank's slices of ``state`` (``whole_state``'s form); kept until the layout
         is known (the first update or ``init``) when it is not yet."""
         self._pending = state
         if self.layout is not None:
@@ -165,7 +166,7 @@ class ShardedState:
         elif not self.layout.fits(leaves):
             raise ValueError(
                 "DistributedOptimizer(shard_optimizer_state=True): the gradient tree changed (keys, shapes or "
-                "dtypes) since the state was sharded; its pieces no longer fit. Keep the same trainable "
+                "dtypes) since the state was sharded; its slices no longer fit. Keep the same trainable "
                 "parameters, or save a checkpoint and load it into a new DistributedOptimizer"
             )
         return self.layout
@@ -173,19 +174,19 @@ class ShardedState:
     def _apply_pending(self):
         state, self._pending = self._pending, None
         mine = {k: v for k, v in state.items() if not isinstance(v, (dict, list))}  # step, learning rate
-        for key, (_, a, b) in self.layout.pieces.items():
+        for key, (_, a, b) in self.layout.slices.items():
             mine[key] = {entry: v.reshape(-1)[a:b] for entry, v in at_key(state, key).items()}
         self.optimizer.state = mine
 
     def _my_gradients(self, leaves, scale, weight) -> dict:
-        """This rank's pieces of the reduced gradients."""
+        """This rank's slices of the reduced gradients."""
         layout, grads = self.layout, dict(leaves)
         if not self.reduction.scatters:  # (measured faster on MPI: see the module's docstring)
             reduced = self.reduction.allreduce([a for _, a in leaves], scale, weight)
-            return layout.mine(dict(zip(grads, reduced)))
+            return layout.my_slices(dict(zip(grads, reduced)))
         names = list(layout.groups)
-        parts = self.reduction.reduce_scatter([layout.flatten(grads, name) for name in names], scale, weight)
-        return {key: piece for name, part in zip(names, parts) for key, piece in layout.split(part, name).items()}
+        shards = self.reduction.reduce_scatter([layout.flatten(grads, name) for name in names], scale, weight)
+        return {key: s for name, shard in zip(names, shards) for key, s in layout.slices_of(shard, name).items()}
 
 
 def _floating_leaves(tree, what):

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import distributed_utils as du
-from distributed_utils.data import batch_count, epoch_indices, exactly_once_indices, shard_bounds, share_sizes
+from distributed_utils.partition import batch_count, epoch_indices, exactly_once_indices, shard_bounds, share_sizes
 
 from test_optimizer import assert_same_parameters, dataset, loss_fn, mlp
 

@@ -33,21 +33,21 @@ def assert_same_state(a, b):
 @given(shapes=st.lists(st.lists(st.integers(0, 5), max_size=3), min_size=1, max_size=6),
        dtypes=st.lists(st.sampled_from([mx.float32, mx.bfloat16]), min_size=6, max_size=6),
        world=st.integers(1, 7))  # fmt: skip
-def test_the_parts_of_the_ranks_are_the_flat_vector_disjoint_and_complete(shapes, dtypes, world):
+def test_the_shards_of_the_ranks_are_the_flat_vector_disjoint_and_complete(shapes, dtypes, world):
     leaves = [(f"p{i}", mx.arange(int(np.prod(s)), dtype=d).reshape(s) + 1000 * i)
               for i, (s, d) in enumerate(zip(shapes, dtypes))]  # fmt: skip
     arrays = dict(leaves)
     layouts = [Layout(leaves, world, r) for r in range(world)]
     assert layouts[0].fits(leaves) and not layouts[0].fits(leaves[:-1] + [(leaves[-1][0], mx.zeros((9, 9)))])
     for name in layouts[0].groups:
-        parts = [layout.part(layout.mine(arrays), name) for layout in layouts]
-        assert all(p.shape == (layouts[0].chunk[name],) for p in parts)
+        shards = [layout.shard(layout.my_slices(arrays), name) for layout in layouts]
+        assert all(s.shape == (layouts[0].shard_size[name],) for s in shards)
         flat = layouts[0].flatten(arrays, name)
-        assert mx.array_equal(mx.concatenate(parts), flat).item()
-        for layout, part in zip(layouts, parts):
-            pieces = layout.mine(arrays)
-            for key, piece in layout.split(part, name).items():
-                assert mx.array_equal(piece, pieces[key]).item()
+        assert mx.array_equal(mx.concatenate(shards), flat).item()
+        for layout, shard in zip(layouts, shards):
+            slices = layout.my_slices(arrays)
+            for key, piece in layout.slices_of(shard, name).items():
+                assert mx.array_equal(piece, slices[key]).item()
         for key, a in layouts[0].unflatten(flat, name).items():
             assert a.shape == arrays[key].shape and mx.array_equal(a, arrays[key]).item()
 

@@ -1,0 +1,140 @@
+"""How an epoch's items are split over the ranks: pure functions of their arguments (no
+communication), the same on every rank. ``DistributedDataContainer`` (``data.py``) reads with them.
+
+Rank r of P owns the contiguous items ``shard_bounds(N, P, r)`` (``np.array_split``'s
+boundaries, which equal Lux's ``ceil(N/P)`` chunks when P divides N, and work for any P, even
+P > N): shards are disjoint and cover the data. ``batch_size`` is one size for every rank, or
+the list of every rank's (``share_sizes``, for unequal hosts).
+"""
+
+import numpy as np
+
+#: Length-grouped batches are sorted within runs of this many batches (see ``group_by_length``).
+LENGTH_GROUP_BATCHES = 32
+
+
+def shard_bounds(n: int, world_size: int, rank: int) -> tuple:
+    """``(start, stop)`` of rank's contiguous shard of ``n`` items: the first ``n % world_size``
+    ranks hold ``ceil(n / world_size)`` items, the others ``floor`` (possibly 0)."""
+    q, r = divmod(n, world_size)
+    start = rank * q + min(rank, r)
+    return start, start + q + (rank < r)
+
+
+def samples_per_rank(n: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """How many items every rank visits per epoch: ``ceil(n / P)`` (short ranks repeat items)
+    or, with ``drop_last``, the most full batches every rank can fill without repeats."""
+    if drop_last:
+        return (n // world_size) // batch_size * batch_size
+    return -(-n // world_size)
+
+
+def batch_count(n: int, world_size: int, batch_size, drop_last: bool) -> int:
+    """Batches per epoch on every rank; a function of its arguments alone (no communication).
+    ``batch_size``: one for every rank, or a list of each rank's (``share_sizes``)."""
+    if isinstance(batch_size, list):
+        return n // sum(batch_size) if drop_last else -(-n // sum(batch_size))
+    return -(-samples_per_rank(n, world_size, batch_size, drop_last) // batch_size)
+
+
+def share_sizes(batch_size: int, shares) -> list:
+    """Each rank's batch size for ``shares`` (one positive number per rank): about
+    ``N * batch_size * s_r / sum(s)``, rounded (largest remainders first) so that they add up
+    to exactly ``N * batch_size``."""
+    shares = np.asarray(shares, np.float64)
+    exact = len(shares) * batch_size * shares / shares.sum()
+    sizes = np.floor(exact).astype(np.int64)
+    sizes[np.argsort(sizes - exact, kind="stable")[: len(shares) * batch_size - sizes.sum()]] += 1
+    return sizes.tolist()
+
+
+def size_of(batch_size, rank) -> int:
+    """Rank's batch size: ``batch_size``, or its entry when that is every rank's list."""
+    return batch_size[rank] if isinstance(batch_size, list) else batch_size
+
+
+def global_batch(world_size, batch_size) -> int:
+    return sum(batch_size) if isinstance(batch_size, list) else world_size * batch_size
+
+
+def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=()):
+    """The global indices rank visits in this epoch, in order.
+
+    The epoch's order is ``epoch_order``'s, the same on every rank. Rank r reads that order
+    from the start of its shard, wrapping around the end (``samples_per_rank`` items): without
+    ``drop_last`` a rank whose shard is one item short repeats the next item (the first rank's
+    for the last rank).
+
+    With a list of every rank's batch size (``share_sizes``) the order is read instead in
+    global batches of their sum, rank r taking its slice of each; without ``drop_last`` the
+    last global batch wraps around to the start of the order.
+
+    ``done``: the parts of this epoch that earlier runs visited before a restart at another
+    world size, as ``(world_size, batch_size, batches)``; their items are left out, and the
+    rest of the epoch, in the same order, is sharded as above."""
+    left = remaining_positions(n, done)
+    return epoch_order(n, shuffle, seed, epoch)[left[_share(len(left), world_size, rank, batch_size, drop_last)]]
+
+
+def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0):
+    """``(indices, real)``: the global indices rank visits when every item must be visited
+    exactly once (evaluation): its own shard of the epoch's order, then filler (its first item
+    again) up to the same whole number of batches on every rank; ``real`` is False for filler."""
+    order = epoch_order(n, shuffle, seed, epoch)
+    if isinstance(batch_size, list):  # in global batches: the positions past the end are filler
+        positions = _global_batches(n, batch_size, rank, False)
+        real = positions < n
+        return order[np.where(real, positions, positions[0] % n)], real
+    start, stop = shard_bounds(n, world_size, rank)
+    total = batch_count(n, world_size, batch_size, False) * batch_size
+    mine = order[start:stop]
+    filler = np.full(total - len(mine), mine[0] if len(mine) else order[0])
+    return np.concatenate([mine, filler]), np.arange(total) < len(mine)
+
+
+def group_by_length(order, lengths, batch_size, real=None):
+    """``order`` with each run of ``LENGTH_GROUP_BATCHES`` batches sorted by length, longest
+    first (a stable sort): a batch then holds items of similar lengths, so less padding, and
+    the runs keep the epoch's (shuffled) order. ``lengths(indices)`` gives their lengths.
+    With ``real`` (see ``exactly_once_indices``) only the real items are grouped."""
+    out = np.array(order)
+    count = len(out) if real is None else int(real.sum())
+    run = LENGTH_GROUP_BATCHES * batch_size
+    for s in range(0, count, run):
+        chunk = out[s : min(s + run, count)]
+        out[s : s + len(chunk)] = chunk[np.argsort(-np.asarray(lengths(chunk)), kind="stable")]
+    return out
+
+
+def epoch_order(n, shuffle, seed, epoch) -> np.ndarray:
+    """The epoch's order of the ``n`` items: ``range(n)``, or with ``shuffle`` one permutation
+    drawn from ``np.random.default_rng((seed, epoch))``, the same on every rank."""
+    return np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
+
+
+def remaining_positions(n: int, done=()) -> np.ndarray:
+    """The positions in an epoch's order of ``n`` items not yet visited after the ``done``
+    parts ``(world_size, batch_size, batches)``, each run on what the parts before it left."""
+    left = np.arange(n)
+    for world_size, batch_size, batches in done:
+        visited = np.zeros(len(left), bool)
+        for rank in range(world_size):  # (the first batches of a share are the same with drop_last)
+            visited[_share(len(left), world_size, rank, batch_size, False)[: batches * size_of(batch_size, rank)]] = True
+        left = left[~visited]
+    return left
+
+
+def _share(m, world_size, rank, batch_size, drop_last) -> np.ndarray:
+    """Which of ``m`` positions rank visits, in order: its shard's, wrapping around the end."""
+    if m == 0:
+        return np.arange(0)
+    if isinstance(batch_size, list):
+        return _global_batches(m, batch_size, rank, drop_last) % m
+    start, _ = shard_bounds(m, world_size, rank)
+    return (start + np.arange(samples_per_rank(m, world_size, batch_size, drop_last))) % m
+
+
+def _global_batches(m, sizes, rank, drop_last) -> np.ndarray:
+    """Rank's slice of each global batch of ``sum(sizes)`` of ``m`` positions (past ``m`` in the last)."""
+    steps = batch_count(m, len(sizes), sizes, drop_last)
+    return (np.arange(steps)[:, None] * sum(sizes) + sum(sizes[:rank]) + np.arange(sizes[rank])).reshape(-1)
