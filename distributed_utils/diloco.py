@@ -25,13 +25,10 @@ class DiLoCo(optim.Optimizer):
     """Wraps ``inner_optimizer`` (any ``mlx.optimizers.Optimizer``, local to each rank) so that
     every ``sync_every`` steps the ranks agree on the parameters through ``outer_optimizer``.
 
-    Collective like ``DistributedOptimizer``: every rank calls ``update`` (or
-    ``apply_gradients``) as often as the others, with the same tree. A step that syncs no
-    fragment makes no collective at all. A sync is one ``reduce_gradients`` of the fragment's
-    pseudo-gradients (buckets, the structure check, the watchdog, ``compression``), then the
-    outer step, the same on every rank: right after it the synced parameters are bit for bit
-    identical on every rank. The first update checks once that the ranks start from the same
-    parameters.
+    Collective like ``DistributedOptimizer``. A step that syncs no fragment makes no collective;
+    a sync is one ``reduce_gradients`` of the fragment's pseudo-gradients, then the outer step,
+    after which the synced parameters are bit for bit identical on every rank. The first update
+    checks that the ranks start from the same parameters and settings.
 
     Args:
         backend: the backend the ranks share.
@@ -48,12 +45,9 @@ class DiLoCo(optim.Optimizer):
     ``update(model, grads, weight=w)``: the outer average is weighted by the sum of each rank's
     weights (tokens, say) since the fragment's last sync; pass it on every step or on none.
 
-    Memory beyond the model and the inner state: a copy of the global parameters and the outer
-    optimizer's state (with the default, one momentum): twice the trainable parameters.
-    ``state`` holds all of it, so ``mx.eval(opt.state)`` and ``du.synchronize(backend, opt)``
-    work; checkpoints hold ``whole_state()``: that, plus every rank's local parameters and inner
-    state, so a run resumes exactly; at another world size each rank r continues as saved rank
-    r % N did (exact where every fragment had just synced).
+    Memory beyond the model and the inner state: the global parameters and the outer state
+    (with the default, one momentum): twice the trainable parameters, all in ``state``.
+    Checkpoints hold ``whole_state()``, which adds every rank's local parameters and inner state.
     """
 
     def __init__(self, backend, inner_optimizer, *, outer_optimizer=None, sync_every=100, fragments=1,

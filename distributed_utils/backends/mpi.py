@@ -4,11 +4,12 @@ import mlx.core as mx
 import numpy as np
 
 from . import environment
-from ..arrays import MX_DTYPES, contiguous_numpy, own_memory, to_mx
+from ..arrays import MX_BY_NUMPY, contiguous_numpy, own_memory, to_mx
 from .base import AbstractBackend, BackendUnavailableError
 
 #: Sums in place go through MPI in pieces of this size (see tree.py for the sizes side by side).
 PIECE_BYTES = 4 * 2**20
+SMALL_BYTES = 64 * 2**10
 
 _NARROW_FLOATS = (mx.float16, mx.bfloat16)  # no MPI type: reduced in float32, rounded once
 
@@ -70,8 +71,8 @@ class MPIBackend(AbstractBackend):
         for a in arrays:
             w = a.astype(mx.float32) if a.dtype in _NARROW_FLOATS else a
             view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
-            if view is None and w.size:
-                w = to_mx(contiguous_numpy(w))  # a copy to reduce in
+            if view is None and w.size:  # a copy to reduce in
+                w = to_mx(own_memory(w) if own_memory(w) is not None else contiguous_numpy(w))
                 view = own_memory(w)
             work.append(w)
             views.append(view)
@@ -94,22 +95,30 @@ class MPIBackend(AbstractBackend):
         if self.rank == root:
             self.comm.Bcast(_bytes(buf), root=root)
             return x
-        out = mx.zeros(buf.shape, MX_DTYPES[buf.dtype.name])
-        if out.size:  # received straight into the result's memory
-            self.comm.Bcast(_bytes(own_memory(out)), root=root)
-        return _as_dtype(out, x.dtype)
+        return _as_dtype(_received(buf.shape, buf.dtype, lambda out: self.comm.Bcast(out, root=root)), x.dtype)
 
     def allgather(self, x):
         if traced := self._while_tracing([x]):
             return traced.allgather(x)
         buf = contiguous_numpy(x)
-        out = mx.zeros((self.size * buf.shape[0],) + buf.shape[1:], MX_DTYPES[buf.dtype.name])
-        if out.size:  # received straight into the result's memory
-            self.comm.Allgather(_bytes(buf), _bytes(own_memory(out)))
-        return _as_dtype(out, x.dtype)
+        shape = (self.size * buf.shape[0],) + buf.shape[1:]
+        return _as_dtype(_received(shape, buf.dtype, lambda out: self.comm.Allgather(_bytes(buf), out)), x.dtype)
 
     def barrier(self):
         self.comm.Barrier()
+
+
+def _received(shape, dtype, receive) -> mx.array:
+    """A new mx.array of ``shape`` and numpy ``dtype``, its bytes written by ``receive(bytes)``:
+    a large one straight into its own memory, a small one into numpy's, then copied (a new
+    MLX array costs tens of microseconds, more than copying ``SMALL_BYTES``)."""
+    if int(np.prod(shape)) * dtype.itemsize <= SMALL_BYTES:
+        buf = np.empty(shape, dtype)
+        receive(_bytes(buf))
+        return to_mx(buf)
+    out = mx.zeros(shape, MX_BY_NUMPY[dtype])
+    receive(_bytes(own_memory(out)))
+    return out
 
 
 def _evaluated(arrays) -> bool:

@@ -1,0 +1,62 @@
+"""What the library's door costs on a tiny collective: du's collectives against the transport's own call.
+
+    du-launch -n 2 --backend mpi python benchmarks/door.py      (also --backend ring, mlx-mpi)
+
+Every row is the mean of --reps calls after 50 warm-up calls, the methods taking turns in one
+run; rank 0 prints microseconds per call and the ratio to the raw call. Raw: mpi4py's Allreduce
+and Bcast on numpy buffers (MPIBackend), or mx.distributed.all_sum of an mx.array, evaluated
+(MLX backends). du: the public collectives, through the door (checks, watchdog, evaluation).
+"""
+
+import argparse
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import distributed_utils as du
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=2000)
+    reps = parser.parse_args().reps
+    backend = du.initialize()
+    x, m = np.ones(4, np.float32), mx.ones(4)
+
+    def per_call(f):
+        for _ in range(50):
+            f()
+        du.barrier(backend)
+        start = time.perf_counter()
+        for _ in range(reps):
+            f()
+        return (time.perf_counter() - start) / reps * 1e6
+
+    if isinstance(backend, du.MPIBackend):
+        from mpi4py import MPI
+
+        out = np.empty_like(x)
+        raw = {"allreduce": lambda: backend.comm.Allreduce(x, out, op=MPI.SUM), "bcast": lambda: backend.comm.Bcast(x)}
+    else:
+        raw = {"allreduce": lambda: mx.eval(mx.distributed.all_sum(m, group=backend.group, stream=mx.cpu))}
+    rows = {
+        "du.allreduce(mx.array of 4 floats)": ("allreduce", lambda: du.allreduce(backend, m, "sum")),
+        "du.allreduce(numpy array of 4 floats)": ("allreduce", lambda: du.allreduce(backend, x, "sum")),
+        "du.allreduce(a Python float)": ("allreduce", lambda: du.allreduce(backend, 1.0, "sum")),
+        "du.bcast(mx.array of 4 floats)": ("bcast", lambda: du.bcast(backend, m)),
+        "du.preempted(backend)": ("allreduce", lambda: du.preempted(backend)),
+    }
+    times = {f"raw {name}": per_call(f) for name, f in raw.items()}
+    for name, (_, f) in rows.items():
+        times[name] = per_call(f)
+    if du.local_rank(backend) == 0:
+        print(f"{type(backend).__name__}, {du.total_workers(backend)} processes, mean of {reps} calls")
+        for name, us in times.items():
+            base = times.get(f"raw {rows[name][0]}") if name in rows else us
+            ratio = f"{us / base:6.1f}x" if base else ""
+            print(f"  {name:40s} {us:8.1f} us  {ratio}")
+
+
+if __name__ == "__main__":
+    main()
