@@ -238,8 +238,8 @@ def _check_same_call(backend, call):
         return
     groups = {}
     for rank, k in enumerate(everyone):
-        groups.setdefault(repr(k), (k, []))[1].append(rank)
-    calls = "; ".join(f"ranks {ranks} call {watchdog.Call.describe(k)}" for k, ranks in groups.values())
+        groups.setdefault(k, []).append(rank)
+    calls = "; ".join(f"ranks {ranks} call {k}" for k, ranks in groups.items())
     raise CollectiveMismatchError(f"ranks issued different collectives (DU_DEBUG): {calls}")
 
 
@@ -285,23 +285,21 @@ def _allgather_object(backend, obj) -> list:
 
 
 def _pickled(obj):
-    """``(bytes, None)``: ``obj``'s pickle; or ``(bytes, reason)`` with a ``_Failed`` pickled
-    in its place when it cannot be pickled (the other ranks must hear of it, not wait)."""
+    """``(bytes, None)``: ``obj``'s pickle; or, when it cannot be pickled, ``(no bytes, why)``
+    (the other ranks must hear of it, not wait)."""
     try:
         return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8), None
     except Exception as e:
-        reason = f"cannot pickle it: {type(e).__name__}: {e}"
-        return np.frombuffer(pickle.dumps(_Failed()), np.uint8), reason
+        return np.empty(0, np.uint8), f"cannot pickle it: {type(e).__name__}: {e}"
 
 
 def _unpickled(payload: np.ndarray):
-    """``(object, None)``, or ``(None, reason)`` when it cannot be unpickled here; ``(None,
-    None)`` for an object its sender could not pickle (the sender reports that)."""
+    """``(object, None)``, or ``(None, why)`` when it cannot be unpickled here; ``(None, None)``
+    for no bytes (its sender could not pickle it, and says so)."""
     try:
-        obj = pickle.loads(payload.tobytes())
+        return (pickle.loads(payload.tobytes()), None) if payload.size else (None, None)
     except Exception as e:
         return None, f"cannot unpickle it: {type(e).__name__}: {e}"
-    return (None, None) if isinstance(obj, _Failed) else (obj, None)
 
 
 def _raise_for_failures(backend, result, error, what):
@@ -312,10 +310,6 @@ def _raise_for_failures(backend, result, error, what):
         errors = _allgather_object(backend, error)
         raise TypeError(f"{what}: " + "; ".join(f"rank {r} {errors[r]}" for r in np.flatnonzero(failed)))
     return result
-
-
-class _Failed:
-    """What travels in place of an object that cannot be pickled."""
 
 
 def root_runs(backend, fn, root, error_type, doing: str):

@@ -53,18 +53,15 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
                     trainable_only=False):  # fmt: skip
     """Collective: write a checkpoint of this job to ``path`` (rank 0 writes; every rank waits).
 
-    With ``keep=k``, ``path`` is a directory of checkpoints: this one is written to
-    ``path/step-{step}.safetensors`` (``step`` is then required) and all but the newest k
-    are removed; ``load_checkpoint(backend, path)`` loads the newest.
-
-    ``model``: an ``nn.Module`` (all its parameters, or with ``trainable_only`` the trainable
-    ones alone: fine-tuning's adapters, without the frozen base); ``optimizer``: an ``mlx.optimizers``
-    optimizer or ``du.DistributedOptimizer`` (its state; a sharded one's is gathered whole, so
-    it loads into any world size, sharded or not); ``data``: your position in the
-    data as a JSON value (e.g. ``{"epoch": 3, "batch": 120}``), or an object with
-    ``state_dict()`` and ``load_state_dict()``; ``step`` and ``extra``: JSON values. Every
-    rank's ``mx.random`` state is saved too. Returns once ``path`` holds the new checkpoint.
-    If rank 0 cannot write, every rank raises CheckpointError, and no temporary file is left.
+    ``model``: an ``nn.Module`` (its parameters; ``trainable_only``: the trainable ones, such as
+    adapters without their frozen base). ``optimizer``: any ``mlx.optimizers`` optimizer,
+    ``DistributedOptimizer`` or ``DiLoCo`` (its whole state: a sharded one's is gathered, so it
+    loads into any world size). ``data``: your position in the data, a JSON value or an object
+    with ``state_dict()`` / ``load_state_dict()``. ``step``, ``extra``: JSON values. Every rank's
+    ``mx.random`` state is saved too. ``keep=k``: ``path`` is a directory, this checkpoint
+    goes to ``path/step-{step}.safetensors`` (``step`` required) and all but the newest k are
+    removed. Returns once ``path`` holds the new checkpoint; if rank 0 cannot write, every rank
+    raises CheckpointError, and no temporary file is left.
     """
     check_backend(backend)
     if keep is not None:
@@ -128,18 +125,14 @@ def _with_heartbeats(backend, pieces):
 
 
 def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
-    """Collective: restore what ``save_checkpoint`` wrote to ``path``, on every rank.
+    """Collective: restore what ``save_checkpoint`` wrote to ``path`` (the newest in a ``keep``
+    directory) on every rank: rank 0 reads it, verifies its checksums and broadcasts it.
 
-    Rank 0 reads the file (the newest checkpoint when ``path`` is a directory of them, see
-    ``keep``) and broadcasts it. ``model`` gets the saved parameters in place,
-    ``optimizer`` the saved state (``model`` gets only the parameters saved: the trainable ones
-    of a ``trainable_only`` checkpoint), ``data`` (if it has ``load_state_dict``) its state, and each
-    rank its own random state (when the world size is the one saved). Returns
-    ``{"step", "data", "extra", "world_size"}`` (the world size that saved it: any other
-    loads too, see ``DistributedDataContainer.load_state_dict``), or None on every rank when
-    ``path`` does not exist.
-    Raises CheckpointError on every rank for a file that is not a complete checkpoint, or
-    does not fit ``model`` or ``optimizer``.
+    ``model`` gets the saved parameters in place, ``optimizer`` the saved state, ``data`` (with
+    ``load_state_dict``) its position, and each rank its random state (at the world size saved).
+    Returns ``{"step", "data", "extra", "world_size"}`` (the world size that saved it), or None
+    on every rank when ``path`` does not exist. Raises CheckpointError on every rank for a file
+    that is damaged or incomplete, or does not fit ``model`` or ``optimizer``.
     """
     check_backend(backend)
     path, header = root_runs(backend, lambda: _find_and_read(Path(path)), 0, CheckpointError, f"read {path}")
@@ -219,7 +212,13 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str):
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            yield from _write_buffers(f, buffers)
+            pieces = [memoryview(b).cast("B")[i : i + _PIECE_BYTES] for b in buffers for i in range(0, b.nbytes, _PIECE_BYTES)]
+            for count, piece in enumerate(pieces, 1):
+                f.write(piece)
+                if count % 4 == 0:  # fsync as it goes, so that the last fsync stays short
+                    f.flush()
+                    os.fsync(f.fileno())
+                yield
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -231,21 +230,6 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str):
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-def _write_buffers(f, buffers):
-    """Write ``buffers`` to ``f`` in pieces, yielding after each (fsync every 4 pieces, so
-    that the last fsync stays short)."""
-    pieces = 0
-    for b in buffers:
-        data = memoryview(b).cast("B")
-        for start in range(0, len(data), _PIECE_BYTES):
-            f.write(data[start : start + _PIECE_BYTES])
-            pieces += 1
-            if pieces % 4 == 0:
-                f.flush()
-                os.fsync(f.fileno())
-            yield
 
 
 _STEP_PREFIX = "step-"
@@ -285,10 +269,9 @@ def _verified(path: Path, header):
     if crcs is None:
         warnings.warn(f"{path} was written without checksums (by an older version): loaded unverified")
         return meta, entries
-    blob = np.memmap(path, np.uint8, mode="r")
-    start = 8 + struct.unpack("<Q", blob[:8].tobytes())[0]
+    data = _data(path)
     for key, (_, _, (a, b)) in entries.items():
-        if zlib.crc32(blob[start + a : start + b]) != crcs.get(key):
+        if zlib.crc32(data[a:b]) != crcs.get(key):
             raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
     return meta, entries
 
@@ -330,15 +313,16 @@ def _read_header(path: Path):
     return meta, entries, crcs
 
 
-def _read_arrays(path: Path, entries) -> dict:
+def _data(path: Path) -> np.ndarray:
+    """The bytes after a safetensors file's header, mapped (not read)."""
     blob = np.memmap(path, np.uint8, mode="r")
-    start = 8 + struct.unpack("<Q", blob[:8].tobytes())[0]
-    out = {}
-    for key, (code, shape, (a, b)) in entries.items():
-        dtype = _DTYPES[code]
-        bits = mx.array(blob[start + a : start + b].view(np.dtype(f"<u{dtype.size}")))
-        out[key] = bits.view(dtype).reshape(shape)
-    return out
+    return blob[8 + struct.unpack("<Q", blob[:8].tobytes())[0] :]
+
+
+def _read_arrays(path: Path, entries) -> dict:
+    data = _data(path)
+    return {key: mx.array(data[a:b].view(np.dtype(f"<u{_DTYPES[code].size}"))).view(_DTYPES[code]).reshape(shape)
+            for key, (code, shape, (a, b)) in entries.items()}  # fmt: skip
 
 
 def _check_fits(path, section, entries, tree):

@@ -6,6 +6,7 @@ items (or rows of a batch, with one ``data[indices]`` call for arrays and Huggin
 datasets) only when they are asked for.
 """
 
+import functools
 import itertools
 import operator
 import sys
@@ -26,20 +27,16 @@ AUTO_SHARE_STEPS = 4
 class DistributedDataContainer:
     """This rank's share of ``data``, read lazily.
 
-    ``data`` may be: a sequence (``len`` and ``data[i]``); a numpy or mx array (first axis);
-    a tuple or dict of those with the same length, indexed together (``(x, y)`` gives
-    ``(x[i], y[i])``; use a list for a sequence of items); a Hugging Face ``datasets.Dataset``
-    (rows fetched with ``ds[list_of_indices]``); or an iterable of unknown length (a stream:
-    rank r takes items r, r + P, r + 2P, ...).
+    ``data``: a sequence (``len`` and ``data[i]``); a numpy or mx array (first axis); a tuple or
+    dict of those, indexed together (``(x, y)`` gives ``(x[i], y[i])``); a Hugging Face
+    ``datasets.Dataset`` (rows read with ``ds[list_of_indices]``); or an iterable of unknown
+    length (a stream: rank r takes items r, r + P, r + 2P, ...). ``collate``: a function from a
+    list of items to a batch (else items are stacked); ``lengths``: each item's length (an
+    array, or a function of an item), for ``batches`` to group items of similar lengths.
 
-    ``collate``: a function from a list of items to a batch (padding sequences, say); without
-    it items are stacked (see ``batches``). ``lengths``: each item's length, as an array of N
-    numbers or a function of an item; ``batches`` then groups items of similar lengths
-    (``group_by_length``). Both run on this rank's items only.
-
-    Collective at construction (every rank checks that all ranks passed data of the same
-    length); after that, for sized data, ``len()``, ``container[i]`` (local index i -> global
-    item ``indices[i]``) and iteration cover this rank's shard only, with no communication.
+    Collective at construction (all ranks must pass data of the same length); then, for sized
+    data, ``len()``, ``container[i]`` (global item ``indices[i]``) and iteration cover this
+    rank's shard, with no communication.
     """
 
     def __init__(self, backend, data, *, collate=None, lengths=None):
@@ -68,15 +65,8 @@ class DistributedDataContainer:
             return None
         self._check_sized("lengths")
         if callable(lengths):
-            known = {}
-
-            def of(indices):
-                for i in indices.tolist():
-                    if i not in known:
-                        known[i] = lengths(self._item(i))
-                return [known[i] for i in indices.tolist()]
-
-            return of
+            of_item = functools.cache(lambda i: lengths(self._item(i)))
+            return lambda indices: [of_item(i) for i in indices.tolist()]
         table = np.asarray(lengths)
         if table.shape != (self._n,):
             raise ValueError(f"{self._label}: lengths must give one number per item ({self._n}), got shape {table.shape}")
@@ -180,43 +170,33 @@ class DistributedDataContainer:
     def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=None,
                 exactly_once=False, share=None):  # fmt: skip
         """Yields this rank's batches for one epoch: mx.arrays stacked along a new first axis
-        (a tuple or dict of them for tuple/dict/dataset data; a field of strings or other
-        non-numbers stays a list), or what ``collate`` makes of the list of items. Every rank
-        yields the same number of batches, of the same sizes, so every rank runs the same
-        number of steps. With ``lengths``, items of similar lengths share a batch.
+        (a tuple or dict of them for tuple/dict/dataset data; strings and other non-numbers stay
+        lists), or what ``collate`` makes of the list of items. Every rank yields the same
+        number of batches, of the same sizes: every rank runs the same number of steps.
 
-        Sized data (see ``epoch_indices``): each rank visits ``ceil(N / P)`` items (a rank
-        whose shard is one short repeats one item), and the last batch may be smaller (the
-        same size on every rank);
-        with ``drop_last`` every batch is full and no item repeats (up to
-        ``P * batch_size - 1`` items are skipped). ``shuffle`` draws one global permutation
-        from ``(seed, epoch)``, the same on every rank, then shards it; ``epoch`` defaults to
-        the one from ``set_epoch`` (or ``load_state_dict``). ``start`` skips the first ``start``
-        batches; by default, after ``load_state_dict``, the batches already done (or, when they
-        were done at another world size or batch size, the epoch is what they left: its
-        items not yet visited, sharded the same way).
+        Sized data (``partition.epoch_indices``): each rank visits ``ceil(N / P)`` items (a rank
+        whose shard is one short repeats one), the last batch may be smaller; with
+        ``drop_last`` every batch is full and no item repeats. ``shuffle``: one permutation from
+        ``(seed, epoch)``, the same on every rank, then sharded; ``epoch`` defaults to
+        ``set_epoch``'s (or ``load_state_dict``'s). ``start`` skips batches; by default, after
+        ``load_state_dict``, those already done (done at another world size or batch size: the
+        items not yet visited are sharded anew). A stream: one ``allreduce(min)`` per batch;
+        the epoch ends where some rank runs short (with a last batch of the smallest count on
+        every rank, not with ``drop_last``).
 
-        Collective: every rank checks that all ranks passed the same arguments (one small
-        allgather), and raises ValueError on every rank otherwise (different batch sizes would
-        give different step counts: a deadlock). A stream: one ``allreduce(min)`` per batch. The epoch ends at the first
-        step where some rank has fewer than ``batch_size`` items left; then every rank
-        yields a last batch of the smallest count (not with ``drop_last``). A generator can
-        be read once. ``shuffle`` needs sized data.
+        ``exactly_once`` (evaluation): every item once across the ranks; each rank yields
+        ``(batch, mask)``, its shard filled up to the same number of full batches with repeats
+        of its first item, for which ``mask`` (float32) is 0. Weight metrics with the mask.
 
-        ``exactly_once`` (evaluation; sized data): every item is visited exactly once across
-        the ranks, and each rank yields ``(batch, mask)``: its own shard, filled up to the same
-        number of full batches on every rank with repeats of its first item, for which ``mask``
-        (float32, one per item) is 0 (1 for a real item). Weight metrics with the mask.
+        ``share`` (unequal hosts): this rank's share of each step's N x ``batch_size`` items, a
+        positive number (its speed, say): rank r gets ``share_sizes`` items a step, the order
+        read in global batches; weight the update by the batch (``weight=len(batch)``) for an
+        exact step. ``"auto"``: the ranks time their own work (a step less its time in
+        collectives) over the first ``AUTO_SHARE_STEPS`` steps of each epoch, agree on shares in
+        proportion (one allgather), say so on rank 0, and split the rest of the epoch so.
 
-        ``share`` (sized data; unequal hosts): this rank's share of each step's N x
-        ``batch_size`` items, a positive number (its speed, say; each rank passes its own):
-        rank r gets ``share_sizes`` items a step, in proportion. The order is then read in
-        global batches (see ``epoch_indices``), every rank still takes the same number of
-        steps, and the update is exact when the gradients are weighted by the batch
-        (``opt.update(model, grads, weight=len(batch))``). ``"auto"``: the ranks time their
-        own work (a step less its time in collectives) over the first ``AUTO_SHARE_STEPS``
-        steps of each epoch, agree on shares in proportion to their speeds (one allgather),
-        say so on rank 0, and split the rest of the epoch so."""
+        Collective: every rank checks that all ranks passed the same arguments, and raises
+        ValueError on every rank otherwise (different step counts would deadlock)."""
         batch_size = self._batch_size(batch_size)
         epoch = self.epoch if epoch is None else operator.index(epoch)
         self._check_same_everywhere(batch_size=batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
@@ -227,8 +207,10 @@ class DistributedDataContainer:
         before, skip = self._resumed_parts(epoch, batch_size)
         start = skip if start is None else operator.index(start)
         self._check_same_everywhere(start=start)
-        if exactly_once:
-            return self._exactly_once(batch_size, shuffle, seed, epoch, drop_last, start, before)
+        if exactly_once and (self.is_stream or drop_last or before):
+            why = ("a stream's length is unknown" if self.is_stream else "drop_last skips items" if drop_last
+                   else "the epoch was begun at another world size or batch size")  # fmt: skip
+            raise ValueError(f"{self._label}: exactly_once cannot visit every item once here: {why}")
         if self.is_stream:
             if shuffle:
                 raise ValueError(f"{self._label}: cannot shuffle a stream (data of unknown length)")
@@ -236,17 +218,24 @@ class DistributedDataContainer:
             return self._counted(epoch, before, batch_size, start,
                                  self._stream_batches(batch_size, drop_last, skipped, start))  # fmt: skip
         order = dict(shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last)
-        return self._sized_batches(order, before, batch_size, start, share == "auto")
+        return self._sized_batches(order, before, batch_size, start, share == "auto", exactly_once)
 
-    def _sized_batches(self, order_of, before, batch_size, start, auto):
+    def _sized_batches(self, order_of, before, batch_size, start, auto, exactly_once=False):
         """The epoch's batches (``batch_size``: one, or every rank's list), keeping ``state_dict``
         up to date as they are handed out; with ``auto``, re-split once the shares are measured."""
         mine = size_of(batch_size, self.rank)
-        order = epoch_indices(self._n, self.world_size, self.rank, batch_size, done=before, **order_of)
+        if exactly_once:
+            order, real = exactly_once_indices(self._n, self.world_size, self.rank, batch_size, shuffle=order_of["shuffle"],
+                                               seed=order_of["seed"], epoch=order_of["epoch"])  # fmt: skip
+            mask = mx.array(real.astype(np.float32))
+        else:
+            order, real = epoch_indices(self._n, self.world_size, self.rank, batch_size, done=before, **order_of), None
         if self._lengths is not None:
-            order = group_by_length(order, self._lengths, mine)
-        self._check_start(start, -(-len(order) // mine))
-        batches = (self._fetch(order[b : b + mine]) for b in range(start * mine, len(order), mine))
+            order = group_by_length(order, self._lengths, mine, real)
+        if not 0 <= start <= -(-len(order) // mine):
+            raise ValueError(f"{self._label}: start={start} is not in 0..{-(-len(order) // mine)} (batches in this epoch)")
+        batches = (self._fetch(order[b : b + mine]) if real is None else (self._fetch(order[b : b + mine]), mask[b : b + mine])
+                   for b in range(start * mine, len(order), mine))  # fmt: skip
         return self._counted(order_of["epoch"], before, batch_size, start, batches, order_of if auto else None)
 
     def _agreed_sizes(self, batch_size, share) -> list:
@@ -282,26 +271,6 @@ class DistributedDataContainer:
             print(f"distributed_utils: batch shares (auto, epoch {self.epoch}): {self._auto_sizes} items per step by "
                   f"rank, for {np.round(speeds, 1).tolist()} items/s of each rank's own work", file=sys.stderr)  # fmt: skip
         return self._auto_sizes
-
-    def _exactly_once(self, batch_size, shuffle, seed, epoch, drop_last, start, before):
-        if self.is_stream or drop_last or before:
-            why = ("a stream's length is unknown" if self.is_stream else "drop_last skips items" if drop_last
-                   else "the epoch was begun at another world size or batch size")  # fmt: skip
-            raise ValueError(f"{self._label}: exactly_once cannot visit every item once here: {why}")
-        order, real = exactly_once_indices(self._n, self.world_size, self.rank, batch_size,
-                                           shuffle=shuffle, seed=seed, epoch=epoch)  # fmt: skip
-        mine = size_of(batch_size, self.rank)
-        if self._lengths is not None:
-            order = group_by_length(order, self._lengths, mine, real)
-        self._check_start(start, len(order) // mine)
-        mask = mx.array(real.astype(np.float32))
-        batches = ((self._fetch(order[b : b + mine]), mask[b : b + mine])
-                   for b in range(start * mine, len(order), mine))  # fmt: skip
-        return self._counted(epoch, before, batch_size, start, batches)
-
-    def _check_start(self, start, total):
-        if not 0 <= start <= total:
-            raise ValueError(f"{self._label}: start={start} is not in 0..{total} (batches in this epoch)")
 
     def _counted(self, epoch, before, batch_size, start, batches, auto=None):
         """``batches``, keeping ``state_dict`` up to date as they are handed out; ``auto`` (the

@@ -28,19 +28,17 @@ _POLL = 0.25
 
 
 class _State:
+    timeout = debug = None  # None: not configured yet (read the environment)
+    rank = thread = parent = None  # parent: the launcher's pid, to exit with it
+    seq = done = 0  # the last collective's sequence number on this rank, and the last that finished
+    waited = 0.0  # seconds spent in collectives
+
     def __init__(self):
-        self.timeout = self.debug = None  # None: not configured yet (read the environment)
         self.lock = threading.Lock()  # for starting the thread
         self.inflight = {}  # id(entry) -> entry; one C-level dict operation at a time (GIL)
         self.counter = itertools.count(1)
-        self.seq = 0  # the last collective's sequence number on this rank
-        self.done = 0  # the last one that finished
-        self.rank = None
-        self.thread = None
         self.local = threading.local()  # .depth: collectives nested in the current one
         self.stopped = []  # (from, to): when this process did not run
-        self.parent = None  # the launcher's pid, to exit with it
-        self.waited = 0.0  # seconds spent in collectives
 
 
 _state = _State()
@@ -56,20 +54,13 @@ def configure(timeout=None, debug=None):
         except ValueError:
             raise ValueError(f"DU_TIMEOUT={value!r} is not a number of seconds") from None
     if timeout is not None:
-        timeout = float(timeout)
-        if not timeout >= 0:
+        if not float(timeout) >= 0:
             raise ValueError(f"timeout must be a number of seconds >= 0 (0: never), got {timeout!r}")
-        _state.timeout = timeout
+        _state.timeout = float(timeout)
     if debug is None and _state.debug is None:
         debug = os.environ.get("DU_DEBUG", "0") not in ("", "0", "false", "no")
     if debug is not None:
         _state.debug = bool(debug)
-
-
-def timeout() -> float:
-    """The current timeout in seconds (0: never)."""
-    configure()
-    return _state.timeout
 
 
 def debug() -> bool:
@@ -80,12 +71,9 @@ def debug() -> bool:
 
 class Call:
     """One collective as the reports show it: ``what`` ("allreduce"), its ``details`` ("sum",
-    "root=1") and the signatures of its arrays (one ``(dtype, shape)``, or a list of them)."""
-
-    __slots__ = ("seq", "what", "details", "arrays")
+    "root=1") and its arrays (None, an array, or a list of them; kept as signatures)."""
 
     def __init__(self, what, details, arrays):
-        """``arrays``: None, an array, or a list of arrays (kept as signatures only)."""
         sigs = [signature(a) for a in arrays] if isinstance(arrays, list) else None if arrays is None else signature(arrays)
         self.seq, self.what, self.details, self.arrays = 0, what, details, sigs
 
@@ -97,16 +85,11 @@ class Call:
             return f"{text} [{len(self.arrays)} arrays: {shown}{', ...' if len(self.arrays) > 3 else ''}]"
         return text if self.arrays is None else f"{text} {show(self.arrays)}"
 
-    def key(self) -> tuple:
-        """What must agree across ranks (debug mode)."""
-        return (self.seq, self.what, self.details, self.arrays)
-
-    @staticmethod
-    def describe(key) -> str:
-        """``#5 allreduce(float32(3,), sum)``: a ``key`` as the debug check prints it."""
-        seq, what, details, arrays = key
+    def key(self) -> str:
+        """``#5 allreduce(float32(3,), sum)``: what must agree across ranks (debug mode)."""
+        arrays = self.arrays
         shown = [] if arrays is None else [f"[{', '.join(map(show, arrays))}]" if isinstance(arrays, list) else show(arrays)]
-        return f"#{seq} {what}({', '.join(shown + list(details))})"
+        return f"#{self.seq} {self.what}({', '.join(shown + list(self.details))})"
 
 
 @contextlib.contextmanager
@@ -125,7 +108,7 @@ def collective(rank: int, call: Call):
         yield call
     finally:
         _state.local.depth = 0
-        _unregister(entry)
+        _state.inflight.pop(id(entry), None)
         _state.waited += time.monotonic() - entry.start
     _state.done = call.seq
 
@@ -163,7 +146,7 @@ def watch(what: str, timeout=None):
     try:
         yield
     finally:
-        _unregister(entry)
+        _state.inflight.pop(id(entry), None)
 
 
 @contextlib.contextmanager
@@ -172,13 +155,12 @@ def connecting(what: str):
     the watchdog thread cannot run: faulthandler's C thread backs it up, printing where the
     process is stuck ("Timeout (...)!" and a traceback through ``initialize``) and exiting 1."""
     configure()
-    limit = _state.timeout
     armed = False
-    if limit:
+    if _state.timeout:
         try:
             import faulthandler
 
-            faulthandler.dump_traceback_later(limit + GRACE, exit=True, file=sys.__stderr__)
+            faulthandler.dump_traceback_later(_state.timeout + GRACE, exit=True, file=sys.__stderr__)
             armed = True
         except (AttributeError, ValueError, OSError):  # no usable stderr: the thread alone
             pass
@@ -191,8 +173,6 @@ def connecting(what: str):
 
 
 class _Entry:
-    __slots__ = ("what", "rank", "start", "timeout")
-
     def __init__(self, what, rank, timeout):
         self.what, self.rank, self.timeout, self.start = what, rank, timeout, time.monotonic()
 
@@ -205,15 +185,10 @@ def _register(what, rank, limit):
 
 
 def _start_thread():
-    if _state.thread is None:
-        with _state.lock:
-            if _state.thread is None:
-                _state.thread = threading.Thread(target=_watch_loop, name="du-watchdog", daemon=True)
-                _state.thread.start()
-
-
-def _unregister(entry):
-    _state.inflight.pop(id(entry), None)
+    with _state.lock:
+        if _state.thread is None:
+            _state.thread = threading.Thread(target=_watch_loop, name="du-watchdog", daemon=True)
+            _state.thread.start()
 
 
 def exit_with_launcher():
@@ -255,25 +230,22 @@ def _expire(entries):
     os._exit(EXIT_CODE)
 
 
-def _stderrs():
-    """sys.stderr, and the process's own stderr when sys.stderr writes elsewhere."""
-    try:
-        same = sys.stderr.fileno() == sys.__stderr__.fileno()
-    except Exception:  # a replacement without a file descriptor
-        same = sys.stderr is sys.__stderr__
-    return [sys.stderr] if same else [sys.stderr, sys.__stderr__]
-
-
 def _say(message):
-    """Print ``message`` where it can be seen: stderr, and the launcher's report file (output
-    captured in the process, by pytest say, is lost when it exits)."""
-    for stream in _stderrs():
+    """Print ``message`` where it can be seen: stderr (and the process's own, when pytest, say,
+    captures sys.stderr), and the launcher's report file (captured output is lost at exit)."""
+    streams = [sys.stderr]
+    try:
+        if sys.stderr.fileno() != sys.__stderr__.fileno():
+            streams.append(sys.__stderr__)
+    except Exception:  # a replacement without a file descriptor
+        streams += [sys.__stderr__] if sys.stderr is not sys.__stderr__ else []
+    path = report_path()
+    for stream in streams:
         try:
             stream.write(message + "\n")
             stream.flush()
         except Exception:  # closed or missing; the exit is what matters
             pass
-    path = report_path()
     if path:
         try:
             with open(path, "a") as f:

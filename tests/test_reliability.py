@@ -219,8 +219,8 @@ def test_the_readme_loop_with_a_frozen_rank_ends_within_the_timeout(backend):  #
     run = launch(2, backend, ["--timeout", str(TIMEOUT), "python", "-c", README_LOOP_FROZEN], timeout=120)
     assert run.returncode == 124, run.stdout  # within launch's 120 s
     assert re.search(r"\[rank 0\] du watchdog: rank 0: collective #\d+ ", run.stdout), run.stdout
-    # the frozen rank is named: it did not report, or reported that it had been stopped
-    assert ("ranks [1] did not report waiting" in run.stdout or "ranks [1] had been stopped" in run.stdout), run.stdout
+    # the frozen rank is named: it cannot report (stopped outside any collective, then killed)
+    assert "ranks [1] did not report waiting" in run.stdout, run.stdout
 
 
 PEER_DIES = """
