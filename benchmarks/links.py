@@ -1,15 +1,16 @@
 """Reductions and training over slow links: two hosts made of network namespaces (tests/hosts.py),
 the veth between them shaped with tc's token bucket filter. Needs root, iproute2 and unshare.
 
-    python benchmarks/links.py [--backends mpi ring] [--rates 10gbit 1gbit 100mbit] [--budget 40]
+    python benchmarks/links.py [--backends mpi ring] [--rates 10gbit 1gbit 100mbit] [--budget 45] [--configs ...]
 
 1. The gradient reduction (``du.reduce_gradients``, 2 ranks, one per host) against the link's own
    limit, bytes x 2(N-1)/N / rate, as a ratio (1.0 is the wire's speed), float32 and bfloat16.
 2. Training at an equal wall-clock budget (``--budget`` seconds at 100 Mbit/s, half of it at
    1 Gbit/s): a byte-level Llama from examples/llama_tinystories.py (4 layers, 128 dims, MLP
    256: 0.72M parameters, 2.9 MB) on generated stories, AdamW 1e-3, batch 4 x 32 tokens per rank:
-   synchronous ``DistributedOptimizer`` against ``DiLoCo`` (H = 10 and 50; fragments; int8).
-   Every run checks the budget after each step (a 1-byte all-reduce). Reported: steps,
+   synchronous ``DistributedOptimizer`` against ``DiLoCo`` (H = 10 and 50; fragments; int8; a
+   fragment's sync overlapped with 5 inner steps). Every run checks the budget every 10 steps
+   (a 1-byte all-reduce). Reported: steps,
    steps/s, MB each host sent (the veth's counters), rank 0's training loss at the end (a
    moving average), and when each DiLoCo run first reached the synchronous run's final loss,
    as a fraction of the synchronous run's time.
@@ -33,7 +34,9 @@ CONFIGS = {  # name: DiLoCo's arguments (None: synchronous)
     "diloco H=50": dict(sync_every=50),
     "diloco H=50 F=5": dict(sync_every=50, fragments=5),
     "diloco H=50 int8": dict(sync_every=50, compression="int8"),
+    "diloco H=50 F=5 delay=5": dict(sync_every=50, fragments=5, fragment_sync_delay=5),
 }
+CHECK_EVERY = 10  # steps between two budget checks (a collective: it would end a delayed sync's overlap)
 
 
 def reduce_worker(args):
@@ -89,8 +92,8 @@ def train_worker(args):
         steps += 1
         average = loss.item() if average is None else 0.98 * average + 0.02 * loss.item()
         trace.append((time.perf_counter() - start, average))
-        if du.allreduce(backend, time.perf_counter() - start > args.budget, "max"):  # (1 byte, every run alike)
-            break
+        if steps % CHECK_EVERY == 0 and du.allreduce(backend, time.perf_counter() - start > args.budget, "max"):
+            break  # (1 byte, every run alike, right after a sync step of every configuration above)
     if du.local_rank(backend) == 0:
         result = {"steps": steps, "seconds": time.perf_counter() - start, "loss": average, "trace": trace[::5]}
         print("RESULT", json.dumps(result), flush=True)
@@ -118,6 +121,7 @@ def main():
     p.add_argument("--train-rates", nargs="*", default=["100mbit", "1gbit"])
     p.add_argument("--budget", type=float, default=45.0, help="seconds of training at 100 Mbit/s (half at 1 Gbit/s)")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), help="training runs (sync first: the target loss)")
     p.add_argument("--worker", nargs=argparse.REMAINDER)
     args = p.parse_args()
     if args.worker:
@@ -161,7 +165,7 @@ def main():
                 for rate in args.train_rates:
                     hosts.shape(rate)
                     budget = args.budget if rate == "100mbit" else args.budget / 2
-                    results = {c: run(hosts, backend, ["train", "--config", c, "--budget", str(budget)], 600) for c in CONFIGS}
+                    results = {c: run(hosts, backend, ["train", "--config", c, "--budget", str(budget)], 600) for c in args.configs}
                     target = results["sync"]["loss"]
                     print(f"\n{backend}, {rate}, {budget:g} s each: | run | steps | steps/s | MB sent per host | loss | "
                           f"reached sync's final loss after |")  # fmt: skip

@@ -216,17 +216,44 @@ def _reduce(backend, what, arrays, op, scale=1.0, in_place=False):
     return _door(backend, what, arrays, lambda a: backend.allreduce([a], op, scale, in_place)[0], *details)
 
 
-def _door(backend, what, arrays, primitive, *details):
+def start_sum(backend, arrays: list, scale: float = 1.0):
+    """Collective: start the sum across ranks of each of ``arrays`` (mx.arrays, handed over)
+    times ``scale``, and return the function that waits for the results. On the MLX backends
+    the sums run on a stream of their own while this rank goes on computing; MPIBackend's are
+    done at once. The start goes through the door; the wait is watched too; and any other
+    collective first waits for it (a transport carries one collective at a time)."""
+    details = ("sum",) if scale == 1.0 else ("sum", f"scale={scale:.4g}")
+    out = _door(backend, "start_sum", arrays, lambda a: backend.start_sum(a, scale), *details, wait=False)
+
+    def finish():
+        if finish in _started:
+            _started.remove(finish)
+            with watchdog.watch("the end of a start_sum collective started before"):
+                watchdog.evaluate(out)
+        return out
+
+    _started.append(finish)
+    return finish
+
+
+_started = []  # start_sum's collectives not yet waited for (at most one: each waits for the last)
+
+
+def _door(backend, what, arrays, primitive, *details, wait=True):
     """The one door: ``primitive(arrays)`` run as one watched collective, inputs evaluated
     before the clock starts (their computation, a backward pass say, is not the collective's),
-    the result evaluated inside the watched region. While MLX traces a function nothing is
-    evaluated, and debug mode does not check (ranks may trace at different times)."""
+    the result evaluated inside the watched region (not with ``wait=False``: ``start_sum``).
+    While MLX traces a function nothing is evaluated, and debug mode does not check (ranks may
+    trace at different times)."""
+    for finish in list(_started):
+        finish()
     tracing = not watchdog.evaluate(arrays)
     with watchdog.collective(backend.rank, watchdog.Call(what, details, arrays)) as call:
         if call is not None and not tracing and backend.size > 1 and watchdog.debug():
             _check_same_call(backend, call)
         out = primitive(arrays)
-        watchdog.evaluate(out)
+        if wait:
+            watchdog.evaluate(out)
     return out
 
 

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .api import allgather, check_backend
 from .optimizer import DistributedOptimizer, check_same_parameters
-from .reduction import as_compression, as_weight, reduce_gradients
+from .reduction import Reduction, as_weight
 from .sharded import at_key
 from .tree import check_floating
 
@@ -41,6 +41,14 @@ class DiLoCo(optim.Optimizer):
         compression: what the pseudo-gradients travel as (see ``reduce_gradients``): None,
             ``"bfloat16"``, ``"float16"`` or ``"int8"``.
         bucket_bytes: as for ``reduce_gradients``.
+        fragment_sync_delay: tau, 0 <= tau < H // F (Streaming DiLoCo's overlap): a fragment's
+            pseudo-gradient is taken, and its all-reduce started, tau steps before its sync;
+            the ranks compute those steps while it travels (on the MLX backends; MPIBackend's
+            is done at once), and the sync applies the outer step to it. Any other collective
+            in between (``du.preempted``, say) first waits for it. Default 0.
+        fragment_update_alpha: after a sync, each rank's fragment becomes
+            ``global + alpha * (local - global)``: 0 (the default) takes the global parameters,
+            as without a delay; up to 1 keeps some of the local steps taken while it travelled.
 
     ``update(model, grads, weight=w)``: the outer average is weighted by the sum of each rank's
     weights (tokens, say) since the fragment's last sync; pass it on every step or on none.
@@ -51,7 +59,7 @@ class DiLoCo(optim.Optimizer):
     """
 
     def __init__(self, backend, inner_optimizer, *, outer_optimizer=None, sync_every=100, fragments=1,
-                 compression=None, bucket_bytes=None):  # fmt: skip
+                 compression=None, bucket_bytes=None, fragment_sync_delay=0, fragment_update_alpha=0.0):  # fmt: skip
         check_backend(backend)
         for name, opt in (("inner_optimizer", inner_optimizer), ("outer_optimizer", outer_optimizer)):
             if isinstance(opt, (DistributedOptimizer, DiLoCo)):
@@ -59,16 +67,24 @@ class DiLoCo(optim.Optimizer):
                                 "mlx.optimizers optimizer: DiLoCo does the communication")  # fmt: skip
             if not (opt is None and name == "outer_optimizer") and not isinstance(opt, optim.Optimizer):
                 raise TypeError(f"DiLoCo: {name} must be an mlx.optimizers.Optimizer, got {opt!r}")
-        for name, value in (("sync_every", sync_every), ("fragments", fragments)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"DiLoCo: {name} must be an int >= 1, got {value!r}")
+        for name, value, least in (("sync_every", sync_every, 1), ("fragments", fragments, 1),
+                                   ("fragment_sync_delay", fragment_sync_delay, 0)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"DiLoCo: {name} must be an int >= {least}, got {value!r}")
         if fragments > sync_every:
             raise ValueError(f"DiLoCo: fragments={fragments} is more than sync_every={sync_every}: each fragment "
                              "syncs once every sync_every steps, at its own step")  # fmt: skip
+        if fragment_sync_delay >= sync_every // fragments:
+            raise ValueError(f"DiLoCo: fragment_sync_delay={fragment_sync_delay} must be less than sync_every // "
+                             f"fragments = {sync_every // fragments}, the steps between two fragments' syncs")  # fmt: skip
+        if not 0 <= fragment_update_alpha <= 1:
+            raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}")
         self.backend, self.inner_optimizer = backend, inner_optimizer
         self.outer_optimizer = optim.SGD(0.7, momentum=0.9, nesterov=True) if outer_optimizer is None else outer_optimizer
         self.sync_every, self.fragments = sync_every, fragments
-        self.compression, self.bucket_bytes = as_compression(compression), bucket_bytes
+        self.delay, self.alpha = fragment_sync_delay, float(fragment_update_alpha)
+        self.reduction = Reduction(backend, "avg", compression, bucket_bytes)
+        self._started = {}  # fragment -> (its keys, the function that waits for its average), in flight
         self._global = None  # {flat key: the global parameters}, once initialized
         self._steps = 0  # inner steps taken
         self._weights = None  # per fragment: this rank's weight since its last sync (None: unweighted)
@@ -119,14 +135,19 @@ class DiLoCo(optim.Optimizer):
         mx.eval(self._global, self.inner_optimizer.state, self.outer_optimizer.state)
 
     def whole_state(self) -> dict:
-        """Collective: ``state`` plus every rank's local parameters, inner state and weights
-        since the last syncs, stacked along a new first axis in rank order: what a checkpoint
-        holds ({} before the first update or ``init``, on every rank alike)."""
+        """Collective: ``state``, the average of a fragment in flight, and every rank's local
+        parameters, inner state and weights since the last syncs, stacked along a new first axis
+        in rank order: what a checkpoint holds ({} before the first update or ``init``)."""
         if self._global is None:
             return {}
+        started = {}  # the average of a fragment in flight (fragment_sync_delay), waited for now
+        for f, (keys, averaged) in list(self._started.items()):
+            done = averaged()
+            self._started[f] = (keys, lambda done=done: done)
+            started.update(zip(keys, done))
         weights = mx.zeros((0,)) if self._weights is None else mx.stack(self._weights)
         mine = {"inner": self.inner_optimizer.state, "local": self._local, "weights": weights}
-        return {**self.state, "ranks": tree_map(lambda a: allgather(self.backend, a[None]), mine)}
+        return {**self.state, "started": started, "ranks": tree_map(lambda a: allgather(self.backend, a[None]), mine)}
 
     def load_whole_state(self, state: dict, model=None):
         """Set the state from ``whole_state()``'s form, and ``model``'s parameters to this
@@ -137,6 +158,9 @@ class DiLoCo(optim.Optimizer):
         self.state = {**state, "inner": tree_map(lambda a: a[row], ranks["inner"])}
         self._weights = [w for w in ranks["weights"][row]] if ranks["weights"].shape[1] else None
         self._local = {k: v[row] for k, v in tree_flatten(ranks["local"])}
+        started = dict(tree_flatten(state.get("started", {})))
+        self._started = {f: (keys, lambda done=[started[k] for k in keys]: done)
+                         for f, keys in enumerate(self._fragment_keys) if keys[0] in started}  # fmt: skip
         if model is not None:
             model.update(tree_unflatten(list(self._local.items())))
 
@@ -166,33 +190,42 @@ class DiLoCo(optim.Optimizer):
         for f, keys in enumerate(self._fragment_keys):
             if weight is not None:
                 self._weights[f] = self._weights[f] + as_weight(weight)
-            if self._steps % self.sync_every == (f + 1) * self.sync_every // self.fragments % self.sync_every:
-                local.update(self._sync(f, keys, local))
+            sync_at = (f + 1) * self.sync_every // self.fragments % self.sync_every
+            if self._steps % self.sync_every == (sync_at - self.delay) % self.sync_every:
+                self._start(f, keys, local)
+            if self._steps % self.sync_every == sync_at:
+                local.update(self._sync(f, local))
         self._local = local
         return tree_unflatten(list(local.items()))
 
     def _check_same_settings(self):
         """Collective, at the first update: ranks that sync at other steps would wait for each
         other until the watchdog ends the job; raise ValueError on every rank instead."""
-        mine = (self.sync_every, self.fragments, str(self.compression))
+        mine = (self.sync_every, self.fragments, str(self.reduction.compression), self.delay, self.alpha)
         everyone = allgather(self.backend, mine)
         differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
         if differ:
-            raise ValueError(f"DiLoCo: ranks {differ} have other (sync_every, fragments, compression) than rank 0: "
+            raise ValueError(f"DiLoCo: ranks {differ} have other (sync_every, fragments, compression, "
+                             "fragment_sync_delay, fragment_update_alpha) than rank 0: "
                              + ", ".join(f"rank {r}: {theirs}" for r, theirs in enumerate(everyone)))  # fmt: skip
 
-    def _sync(self, f, keys, local) -> dict:
-        """Collective: fragment ``f``'s new global parameters (every rank's alike)."""
+    def _start(self, f, keys, local):
+        """Collective: start averaging fragment ``f``'s pseudo-gradient (global minus local)."""
         pseudo = {k: self._global[k] - local[k] for k in keys}
         weight = None if self._weights is None else self._weights[f]
-        averaged = reduce_gradients(self.backend, pseudo, weight=weight, compression=self.compression,
-                                    bucket_bytes=self.bucket_bytes)  # fmt: skip
-        updated = self.outer_optimizer.apply_gradients(averaged, {k: self._global[k] for k in keys})
-        mx.eval(updated, self.outer_optimizer.state)
-        self._global.update(updated)
+        leaves = self.reduction.leaves(pseudo, weight, "DiLoCo's sync")
+        self._started[f] = ([k for k, _ in leaves], self.reduction.start([g for _, g in leaves], 1.0, weight, self.delay > 0))
         if self._weights is not None:
             self._weights[f] = mx.array(0.0)
-        return updated
+
+    def _sync(self, f, local) -> dict:
+        """Collective: fragment ``f``'s new global parameters (every rank's alike), and this
+        rank's parameters of it: those, or mixed with its own (``fragment_update_alpha``)."""
+        keys, averaged = self._started.pop(f)
+        updated = self.outer_optimizer.apply_gradients(dict(zip(keys, averaged())), {k: self._global[k] for k in keys})
+        mx.eval(updated, self.outer_optimizer.state)
+        self._global.update(updated)
+        return updated if not self.alpha else {k: g + self.alpha * (local[k] - g) for k, g in updated.items()}
 
 
 def _fragments(leaves, count) -> list:

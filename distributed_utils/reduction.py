@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .api import allgather, allreduce_arrays, reduce_scatter_sum
+from .api import allgather, allreduce_arrays, reduce_scatter_sum, start_sum
 from .tree import GRADIENT_BUCKET_BYTES, buckets, check_floating, describe, pack, replace_arrays, unpack
 from .tree import verify_same_structure
 from .watchdog import evaluate
@@ -99,17 +99,28 @@ class Reduction:
     def allreduce(self, leaves, scale=1.0, weight=None) -> list:
         """Collective: each of ``leaves`` (floating mx.arrays) reduced across ranks, times
         ``scale``; ``weight``: this rank's (a 0-d float32 mx.array), for the weighted mean."""
+        return self.start(leaves, scale, weight, later=False)()
+
+    def start(self, leaves, scale=1.0, weight=None, later=True):
+        """Collective: ``allreduce``, started; returns the function that waits for its result.
+        ``later``: the big transfers run while this rank computes (``api.start_sum``)."""
         if self.backend.size == 1 and weight is None:
-            return leaves if scale == 1.0 else [g * scale for g in leaves]
+            result = leaves if scale == 1.0 else [g * scale for g in leaves]
+            return lambda: result
         _raise_cache_limit(4 * sum(g.nbytes for g in leaves))
         if self.compression is None and weight is None:  # as they are: the transport scales
-            return _bucketed(self.backend, leaves, self._factor(scale), self.bucket_bytes)
+            return _bucketed(self.backend, leaves, self._factor(scale), self.bucket_bytes, later)
         units, total = self._units(leaves, weight)
         weights = [weight.reshape(1)] if weight is not None and total is None else []  # with the float32 ones
         sent = [self._sent(g, unit, weight) for g, unit in zip(leaves, units)]
-        sums = _bucketed(self.backend, sent + weights, 1.0, self.bucket_bytes)
-        factor = self._factor(scale, sums[-1] if weights else total)
-        return [_scaled(s, unit * factor, g.dtype) for s, g, unit in zip(sums, leaves, units)]
+        summed = _bucketed(self.backend, sent + weights, 1.0, self.bucket_bytes, later)
+
+        def result():
+            sums = summed()
+            factor = self._factor(scale, sums[-1] if weights else total)
+            return [_scaled(s, unit * factor, g.dtype) for s, g, unit in zip(sums, leaves, units)]
+
+        return result
 
     def reduce_scatter(self, flats, scale=1.0, weight=None) -> list:
         """Collective: for each of ``flats`` (1-d, their lengths multiples of N), this rank's
@@ -165,17 +176,22 @@ def as_weight(weight) -> mx.array:
     return weight
 
 
-def _bucketed(backend, arrays, scale, bucket_bytes):
-    """The sum of each of ``arrays`` across ranks times ``scale``, the small ones packed."""
+def _bucketed(backend, arrays, scale, bucket_bytes, later=False):
+    """The function that gives the sum of each of ``arrays`` across ranks times ``scale``, the
+    small ones packed; the sums run now, or, ``later``, while this rank computes."""
     groups = buckets(arrays, bucket_bytes)
     packed = [pack(arrays, g) for g in groups]
     # in place: the packer's copies, or the caller's own arrays (as documented)
-    sums = allreduce_arrays(backend, packed, "sum", scale, in_place=True)
-    out = [None] * len(arrays)
-    for group, total in zip(groups, sums):
-        for i, piece in zip(group, unpack(total, arrays, group)):
-            out[i] = piece
-    return out
+    sums = start_sum(backend, packed, scale) if later else allreduce_arrays(backend, packed, "sum", scale, in_place=True)
+
+    def unpacked():
+        out = [None] * len(arrays)
+        for group, total in zip(groups, sums() if later else sums):
+            for i, piece in zip(group, unpack(total, arrays, group)):
+                out[i] = piece
+        return out
+
+    return unpacked
 
 
 def _scaled(x, s, dtype):

@@ -99,18 +99,28 @@ def collective(rank: int, call: Call):
     if getattr(_state.local, "depth", 0):
         yield None
         return
-    configure()
-    call.seq = _state.seq = next(_state.counter)
-    _state.rank = rank
-    entry = _register(call, rank, _state.timeout)
+    entry = begin(rank, call)
     _state.local.depth = 1
     try:
         yield call
     finally:
         _state.local.depth = 0
-        _state.inflight.pop(id(entry), None)
-        _state.waited += time.monotonic() - entry.start
-    _state.done = call.seq
+        end(entry)
+
+
+def begin(rank: int, call: Call):
+    """Start watching ``call``, a collective of this rank that ``end(entry)`` will end (one
+    that runs while the rank computes, say)."""
+    configure()
+    call.seq = _state.seq = next(_state.counter)
+    _state.rank = rank
+    return _register(call, rank, _state.timeout)
+
+
+def end(entry):
+    _state.inflight.pop(id(entry), None)
+    _state.waited += time.monotonic() - entry.start
+    _state.done = max(_state.done, entry.what.seq)
 
 
 def waited() -> float:

@@ -48,6 +48,12 @@ class AbstractBackend(abc.ABC):
     def barrier(self):
         """Returns on each rank once every rank has called it."""
 
+    def start_sum(self, arrays: list, scale: float = 1.0) -> list:
+        """Start the sum of each of ``arrays`` over all ranks times ``scale`` (the caller's
+        arrays handed over), for results that may stay unevaluated while the rank computes.
+        Here the transport is eager: the sums are done now (``allreduce``)."""
+        return self.allreduce(arrays, "sum", scale, in_place=True)
+
     def reduce_scatter(self, x, scale: float = 1.0):
         """This rank's part of the sum of every rank's ``x`` times ``scale``: ``x`` is 1-d, its
         length a multiple of ``size``, and rank r gets elements ``r * c .. (r + 1) * c - 1``

@@ -56,8 +56,9 @@ def replicas_agree(backend, values) -> bool:
     return bool((everyone.view(np.uint32) == everyone[0].view(np.uint32)).all())
 
 
-def reference(n, inner, outer, sync_every, steps, weights=None, seed=0):
-    """N ranks' DiLoCo in one process (fragments=1): the global parameters after ``steps``."""
+def reference(n, inner, outer, sync_every, steps, weights=None, seed=0, delay=0, alpha=0.0):
+    """N ranks' DiLoCo in one process (fragments=1): the global parameters after ``steps``, and
+    rank 0's own. With ``delay``, the pseudo-gradient is taken ``delay`` steps before the sync."""
     models = [mlp() for _ in range(n)]
     inners = [copy.deepcopy(inner) for _ in range(n)]
     global_ = dict(tree_flatten(mlp().parameters()))
@@ -68,16 +69,19 @@ def reference(n, inner, outer, sync_every, steps, weights=None, seed=0):
             _, grads = nn.value_and_grad(models[r], loss_fn)(models[r], *data[r][s])
             inners[r].update(models[r], grads)
             seen[r] += 1.0 if weights is None else weights(r, s)
-        if (s + 1) % sync_every == 0:
+        if (s + 1 + delay) % sync_every == 0:
             locals_ = [dict(tree_flatten(m.parameters())) for m in models]
             share = seen / seen.sum()
             pseudo = {k: mx.array(sum(share[r] * (np.array(global_[k]) - np.array(locals_[r][k])) for r in range(n)))
                       for k in global_}  # fmt: skip
+            seen[:] = 0
+        if (s + 1) % sync_every == 0:
             global_ = outer.apply_gradients(pseudo, global_)
             for m in models:
-                m.update(tree_unflatten(list(global_.items())))
-            seen[:] = 0
-    return np.concatenate([np.array(global_[k]).ravel() for k, _ in tree_flatten(mlp().parameters())])
+                mine = dict(tree_flatten(m.parameters()))
+                m.update(tree_unflatten([(k, g + alpha * (mine[k] - g)) for k, g in global_.items()]))
+    order = [k for k, _ in tree_flatten(mlp().parameters())]
+    return np.concatenate([np.array(global_[k]).ravel() for k in order]), flat(models[0])
 
 
 # ---- the steps: no collective between syncs, the outer step as defined ----
@@ -99,9 +103,31 @@ def test_the_outer_step_averages_the_pseudo_gradients_as_defined(backend, weight
     outer = lambda: optim.SGD(0.7, momentum=0.9, nesterov=True)  # noqa: E731
     got, _ = train(backend, du.DiLoCo(backend, optim.Adam(1e-2), outer_optimizer=outer(), sync_every=3),
                    9, weights=weights)  # fmt: skip
-    expected = reference(du.total_workers(backend), optim.Adam(1e-2), outer(), 3, 9, weights)
+    expected, _ = reference(du.total_workers(backend), optim.Adam(1e-2), outer(), 3, 9, weights)
     np.testing.assert_allclose(flat(got), expected, rtol=1e-5, atol=1e-6)
     assert not np.allclose(expected, flat(mlp()))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_a_delayed_sync_averages_the_pseudo_gradient_taken_delay_steps_before(backend, alpha):
+    """fragment_sync_delay=2, sync every 4: the pseudo-gradients are taken at steps 2, 6, 10 and
+    the outer steps applied at 4, 8, 12 (the ranks computing meanwhile); then each rank's
+    parameters are the global ones (alpha 0) or halfway to its own (alpha 0.5). Against the
+    definition in one process (not bit for bit: the transport's order of summing)."""
+    weights = lambda r, s: float(1 + (r + s) % 3)  # noqa: E731
+    outer = lambda: optim.SGD(0.7, momentum=0.9, nesterov=True)  # noqa: E731
+    opt = du.DiLoCo(backend, optim.Adam(1e-2), outer_optimizer=outer(), sync_every=4, fragment_sync_delay=2,
+                    fragment_update_alpha=alpha)  # fmt: skip
+    got, made = train(backend, opt, 12, weights=weights)
+    expected, rank0 = reference(du.total_workers(backend), optim.Adam(1e-2), outer(), 4, 12, weights, delay=2,
+                                alpha=alpha)  # fmt: skip
+    global_ = np.concatenate([np.array(v).ravel() for _, v in tree_flatten(opt.state["global"])])
+    np.testing.assert_allclose(global_, expected, rtol=1e-5, atol=1e-6)
+    if du.local_rank(backend) == 0:
+        np.testing.assert_allclose(flat(got), rank0, rtol=1e-5, atol=1e-6)
+    if du.total_workers(backend) > 1:  # collectives only where a sync starts (the structure check, the sum)
+        assert [m > 0 for m in made[1:]] == [s in (2, 6, 10) for s in range(2, 13)]
+        assert replicas_agree(backend, flat(got)) == (alpha == 0)
 
 
 @settings(max_examples=8)
@@ -153,25 +179,27 @@ def test_compressed_pseudo_gradients_keep_replicas_identical_and_close(backend, 
     np.testing.assert_allclose(flat(got), flat(exact), atol=2e-2)
 
 
-def test_a_checkpoint_between_syncs_resumes_bit_for_bit(backend, tmp_path):
-    """Saved at step 5 of 8 (sync every 3, weighted): the resumed run ends where the
-    uninterrupted one does, bit for bit on every rank."""
+@pytest.mark.parametrize("delay", [0, 2], ids=["between-syncs", "while-a-sync-travels"])
+def test_a_checkpoint_between_syncs_resumes_bit_for_bit(backend, tmp_path, delay):
+    """Saved at step 7 of 10 (sync every 4, weighted; with a delay of 2 the sync of step 8
+    started at step 6 and is in flight): the resumed run ends where the uninterrupted one
+    does, bit for bit on every rank."""
     path = du.bcast(backend, str(tmp_path / "diloco.safetensors"))
     weights = lambda r, s: float(1 + r + s % 2)  # noqa: E731
-    make = lambda: du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=3, fragments=1)  # noqa: E731
+    make = lambda: du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=4, fragment_sync_delay=delay)  # noqa: E731
     saved = {}
 
     def save(step, model):
-        if step == 5:
+        if step == 7:
             du.save_checkpoint(backend, path, model=model, optimizer=opt, step=step)
             saved["params"] = flat(model)
 
     opt = make()
-    whole, _ = train(backend, opt, 8, weights=weights, after_step=save)
+    whole, _ = train(backend, opt, 10, weights=weights, after_step=save)
     resumed_opt, model = make(), mlp(seed=1)  # other parameters: the checkpoint must set them
     state = du.load_checkpoint(backend, path, model=model, optimizer=resumed_opt)
-    assert state["step"] == 5 and (flat(model) == saved["params"]).all()
-    resumed, _ = train(backend, resumed_opt, 8, model=model, weights=weights, start=5)
+    assert state["step"] == 7 and (flat(model) == saved["params"]).all()
+    resumed, _ = train(backend, resumed_opt, 10, model=model, weights=weights, start=7)
     assert (flat(resumed).view(np.uint32) == flat(whole).view(np.uint32)).all()
 
 
@@ -190,8 +218,13 @@ def test_a_checkpoint_between_syncs_resumes_bit_for_bit(backend, tmp_path):
          "only 4 parameter arrays"),
         (lambda b: train(b, du.DiLoCo(b, optim.SGD(0.1)), 2, weights=lambda r, s: 1.0 if s == 0 else None),
          ValueError, "weight= to every update or to none"),
+        (lambda b: du.DiLoCo(b, optim.SGD(0.1), sync_every=10, fragments=2, fragment_sync_delay=5), ValueError,
+         "fragment_sync_delay=5 must be less than sync_every // fragments = 5"),
+        (lambda b: du.DiLoCo(b, optim.SGD(0.1), fragment_update_alpha=1.5), ValueError,
+         r"fragment_update_alpha must be in \[0, 1\]"),
     ],
-    ids=["sync_every", "fragments>H", "outer", "distributed-inner", "compression", "fragments>arrays", "weight"],
+    ids=["sync_every", "fragments>H", "outer", "distributed-inner", "compression", "fragments>arrays", "weight",
+         "delay", "alpha"],
 )
 def test_bad_input_is_a_clear_error_on_every_rank(backend, make, error, words):
     with pytest.raises(error, match=words):
@@ -201,6 +234,7 @@ def test_bad_input_is_a_clear_error_on_every_rank(backend, make, error, words):
 @pytest.mark.world(min_size=2)
 def test_ranks_with_other_settings_fail_on_every_rank_at_the_first_update(backend):
     opt = du.DiLoCo(backend, optim.SGD(0.1), sync_every=4 + (du.local_rank(backend) == 1))
-    with pytest.raises(ValueError, match=r"DiLoCo: ranks \[1\] have other \(sync_every, fragments, compression\) "
-                                         r"than rank 0: rank 0: \(4, 1, 'None'\), rank 1: \(5, 1, 'None'\)"):
+    with pytest.raises(ValueError, match=r"DiLoCo: ranks \[1\] have other \(sync_every, fragments, compression, "
+                                         r"fragment_sync_delay, fragment_update_alpha\) than rank 0: "
+                                         r"rank 0: \(4, 1, 'None', 0, 0.0\), rank 1: \(5, 1, 'None', 0, 0.0\)"):
         train(backend, opt, 1)
