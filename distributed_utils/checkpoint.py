@@ -212,13 +212,7 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str):
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            pieces = [memoryview(b).cast("B")[i : i + _PIECE_BYTES] for b in buffers for i in range(0, b.nbytes, _PIECE_BYTES)]
-            for count, piece in enumerate(pieces, 1):
-                f.write(piece)
-                if count % 4 == 0:  # fsync as it goes, so that the last fsync stays short
-                    f.flush()
-                    os.fsync(f.fileno())
-                yield
+            yield from _write_buffers(f, buffers)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -230,6 +224,18 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str):
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _write_buffers(f, buffers):
+    """Write ``buffers`` to ``f`` in pieces, yielding after each (fsync every 4 pieces, so
+    that the last fsync stays short)."""
+    pieces = [memoryview(b).cast("B")[i : i + _PIECE_BYTES] for b in buffers for i in range(0, b.nbytes, _PIECE_BYTES)]
+    for count, piece in enumerate(pieces, 1):
+        f.write(piece)
+        if count % 4 == 0:
+            f.flush()
+            os.fsync(f.fileno())
+        yield
 
 
 _STEP_PREFIX = "step-"

@@ -28,7 +28,7 @@ from .watchdog import evaluate
 
 
 def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, weight=None, compression=None, bucket_bytes=None,
-                     what="reduce_gradients(grads)"):  # fmt: skip
+                     verify=True, what="reduce_gradients(grads)"):  # fmt: skip
     """Collective: ``gradients`` (a tree) reduced across ranks, as a tree of the same structure.
 
     Args:
@@ -54,17 +54,19 @@ def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, weight=None, co
             2 ranks and 4 at 8 (meant for DiLoCo's pseudo-gradients). Default None.
         bucket_bytes: arrays smaller than this travel packed by dtype, up to this many bytes a
             collective; 0 sends each alone. Default (None): ``GRADIENT_BUCKET_BYTES`` (32 MiB).
+        verify: first check that every rank passes the same tree (keys, shapes, dtypes, and
+            whether weighted; one 32-byte allgather; not while MLX traces a function, when
+            nothing may talk eagerly), and raise ``TreeMismatchError`` on every rank if not.
+            Default True.
+        what: how errors name this call.
 
-    Every call first checks that every rank passes the same tree (keys, shapes, dtypes, and
-    whether weighted; one 32-byte allgather; not while MLX traces a function, when nothing
-    may talk eagerly), and raises ``TreeMismatchError`` on every rank if not.
     On MPIBackend the gradients are reduced in their own memory when they can be (evaluated,
     contiguous, not sharing memory with each other): afterwards those arrays hold the result.
     In a world of one, ``gradients`` come back as they are (scaled if ``scale`` is not 1).
     """
     reduction = Reduction(backend, op, compression, bucket_bytes)
     weight = None if weight is None else as_weight(weight)
-    leaves = reduction.leaves(gradients, weight, what)
+    leaves = reduction.leaves(gradients, weight, what, verify)
     return replace_arrays(gradients, reduction.allreduce([g for _, g in leaves], scale, weight))
 
 
@@ -83,14 +85,14 @@ class Reduction:
         has its own (half an all-reduce's traffic), and no int8 scales must travel first."""
         return self.backend.native_reduce_scatter and self.compression != "int8"
 
-    def leaves(self, tree, weight, what) -> list:
+    def leaves(self, tree, weight, what, verify=True) -> list:
         """Collective: ``[(key, array)]``, the mx.arrays of ``tree``, once every rank is found to
         pass the same tree, weighted alike (else ``TreeMismatchError`` on every rank); a
         TypeError for an array that is not floating."""
         if weight is not None and self.op != "avg":
             raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {self.op!r}")
         flat = [(key, g) for key, g in tree_flatten(tree) if isinstance(g, mx.array)]
-        if self.backend.size > 1 and evaluate([g for _, g in flat]):  # (not while MLX traces)
+        if verify and self.backend.size > 1 and evaluate([g for _, g in flat]):  # (not while MLX traces)
             weighted = [("(weight)", "weighted")] if weight is not None else []
             verify_same_structure(self.backend, describe(tree) + weighted, what)
         check_floating(flat, what)  # after the check: the same on every rank, as the dtypes agree

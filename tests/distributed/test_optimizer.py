@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
 import distributed_utils as du
+from distributed_utils import watchdog
 from distributed_utils.tree import TreeMismatchError
 
 OPTIMIZERS = {
@@ -385,3 +386,15 @@ def test_a_tree_that_changes_on_every_rank_is_verified_again(backend):
     mx.eval(opt.reduce_gradients({"a": mx.ones((3,)), "b": mx.ones((2,))}))  # the same change everywhere: fine
     with pytest.raises(TreeMismatchError, match="'b'"):
         opt.reduce_gradients({"a": mx.ones((3,)), "b": mx.ones((4,) if last else (5,))})
+
+
+def test_verify_false_skips_the_structure_check_and_nothing_else(backend):
+    """One collective per bucket without the check, one more (the 32-byte digest) with it."""
+    grads = {"a": mx.ones((3,)), "b": [mx.ones((2, 2))]}
+    made = []
+    for verify in (True, False):
+        before = watchdog._state.seq
+        out = du.reduce_gradients(backend, grads, verify=verify)
+        made.append(watchdog._state.seq - before)
+        assert mx.array_equal(out["b"][0], mx.ones((2, 2))).item()
+    assert made == ([2, 1] if du.total_workers(backend) > 1 else [0, 0])
