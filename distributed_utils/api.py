@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import watchdog
-from .arrays import check_travels, is_array, is_floating, to_mx, to_numpy
+from .arrays import check_travels, evaluate, is_array, is_floating, to_mx, to_numpy
 from .backends import BY_LAUNCH_NAME, AbstractBackend, MLXBackend, RingBackend, environment
 
 #: Lux's ``DistributedUtils.avg``: the averaging reduction op.
@@ -229,7 +229,7 @@ def start_sum(backend, arrays: list, scale: float = 1.0):
         if finish in _started:
             _started.remove(finish)
             with watchdog.watch("the end of a start_sum collective started before"):
-                watchdog.evaluate(out)
+                evaluate(out)
         return out
 
     _started.append(finish)
@@ -247,13 +247,13 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     trace at different times)."""
     for finish in list(_started):
         finish()
-    tracing = not watchdog.evaluate(arrays)
+    tracing = not evaluate(arrays)
     with watchdog.collective(backend.rank, watchdog.Call(what, details, arrays)) as call:
         if call is not None and not tracing and backend.size > 1 and watchdog.debug():
             _check_same_call(backend, call)
         out = primitive(arrays)
         if wait:
-            watchdog.evaluate(out)
+            evaluate(out)
     return out
 
 

@@ -106,3 +106,15 @@ def show(sig) -> str:
     if isinstance(sig, tuple):
         return f"{sig[0]}{sig[1]}"
     return str(sig)
+
+
+def evaluate(*values) -> bool:
+    """``mx.eval`` the mx.arrays in ``values`` (trees too) and return True; or return False
+    when MLX is tracing a function (``mx.compile``, ``vmap``), where they must stay lazy."""
+    try:
+        mx.eval(values)
+    except ValueError as e:
+        if "function transformations" not in str(e):
+            raise
+        return False
+    return True

@@ -10,11 +10,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from .api import allgather
-from .arrays import UINT_BY_SIZE
+from .arrays import UINT_BY_SIZE, evaluate
 from .backends import AbstractBackend
 from .reduction import Reduction, as_weight, reduce_gradients
 from .sharded import ShardedState
-from .watchdog import evaluate
 
 
 class DistributedOptimizer(optim.Optimizer):

@@ -22,9 +22,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .api import allgather, allreduce_arrays, reduce_scatter_sum, start_sum
+from .arrays import evaluate
 from .tree import GRADIENT_BUCKET_BYTES, buckets, check_floating, describe, pack, replace_arrays, unpack
 from .tree import verify_same_structure
-from .watchdog import evaluate
 
 
 def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, weight=None, compression=None, bucket_bytes=None,

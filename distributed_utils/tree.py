@@ -1,15 +1,6 @@
 """Trees of arrays: their leaves by key path, the packer that carries many arrays in few
-collectives, and the cross-rank check that every rank holds the same structure.
-
-The byte sizes, side by side (each measured with 2 ranks on 2 cores; see benchmarks/):
-
-- ``GRADIENT_BUCKET_BYTES`` (32 MiB): gradients of one dtype travel packed up to this size
-  (``reduce_gradients``); packing costs a memory pass, but every collective waits for the
-  slowest rank once. ``mlx.nn.average_gradients`` uses 32 MiB too.
-- ``BROADCAST_BUCKET_BYTES`` (16 MiB): ``synchronize`` packs arrays' bits up to this size;
-  smaller buckets stay in MLX's buffer cache, where a fresh big one costs page faults.
-- ``backends.mpi.PIECE_BYTES`` (4 MiB): MPIBackend sums a big array in place in pieces of
-  this size (113 MB took 29 ms in 4 MiB pieces, 62 ms in one call).
+collectives, and the cross-rank check that every rank holds the same structure. The byte
+sizes, side by side with the others, and how they were measured: docs/architecture.md.
 """
 
 import hashlib
@@ -23,8 +14,8 @@ from mlx.utils import tree_flatten, tree_map
 from .api import allgather
 from .arrays import show, signature
 
-GRADIENT_BUCKET_BYTES = 32 * 2**20
-BROADCAST_BUCKET_BYTES = 16 * 2**20
+GRADIENT_BUCKET_BYTES = 32 * 2**20  # gradients packed per collective (mlx.nn.average_gradients uses 32 MiB too)
+BROADCAST_BUCKET_BYTES = 16 * 2**20  # synchronize's buckets: small enough to stay in MLX's buffer cache
 
 
 class TreeMismatchError(ValueError):

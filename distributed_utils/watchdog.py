@@ -129,18 +129,6 @@ def waited() -> float:
     return _state.waited
 
 
-def evaluate(*values) -> bool:
-    """``mx.eval`` the mx.arrays in ``values`` (trees too) and return True; or return False
-    when MLX is tracing a function (``mx.compile``, ``vmap``), where they must stay lazy."""
-    try:
-        mx.eval(values)
-    except ValueError as e:
-        if "function transformations" not in str(e):
-            raise
-        return False
-    return True
-
-
 @contextlib.contextmanager
 def watch(what: str, timeout=None):
     """Put a region under the watchdog: if it runs longer than ``timeout`` (default: the

@@ -4,10 +4,10 @@ import mlx.core as mx
 import numpy as np
 
 from . import environment
-from ..arrays import MX_BY_NUMPY, contiguous_numpy, own_memory, to_mx
+from ..arrays import MX_BY_NUMPY, contiguous_numpy, evaluate, own_memory, to_mx
 from .base import AbstractBackend, BackendUnavailableError
 
-#: Sums in place go through MPI in pieces of this size (see tree.py for the sizes side by side).
+#: Sums in place go through MPI in pieces of this size (the sizes side by side: docs/architecture.md).
 PIECE_BYTES = 4 * 2**20
 SMALL_BYTES = 64 * 2**10
 
@@ -42,7 +42,7 @@ class MPIBackend(AbstractBackend):
     def _while_tracing(self, arrays):
         """The backend for ``arrays``: None when they can be evaluated (this one runs), else
         MLX's MPI backend on the same processes (MLX is tracing a function)."""
-        if _evaluated(arrays):
+        if evaluate(arrays):
             return None
         if self._traced is None:
             from .mlx import MLXMPIBackend
@@ -119,17 +119,6 @@ def _received(shape, dtype, receive) -> mx.array:
     out = mx.zeros(shape, MX_BY_NUMPY[dtype])
     receive(_bytes(own_memory(out)))
     return out
-
-
-def _evaluated(arrays) -> bool:
-    """Evaluate ``arrays``; False if MLX is tracing a function (no values to evaluate yet)."""
-    try:
-        mx.eval(arrays)
-    except ValueError as e:  # MLX refuses to evaluate while tracing
-        if "function transformations" not in str(e):
-            raise
-        return False
-    return True
 
 
 def _unshared(view, taken: list):
