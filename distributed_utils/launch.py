@@ -94,7 +94,10 @@ def job_environment(backend: str, world_size: int, report_dir: str, timeout=None
             env["MLX_MPI_LIBNAME"] = lib
         # A rank that aborts because it lost a peer waits a second first, so that mpirun hears
         # of the rank that died (the cause) before it hears of this one (an effect).
-        env.setdefault("OMPI_MCA_mpi_abort_delay", os.environ.get("OMPI_MCA_mpi_abort_delay", "1"))
+        env["OMPI_MCA_mpi_abort_delay"] = os.environ.get("OMPI_MCA_mpi_abort_delay", "1")
+        # Two TCP connections between two hosts: over a 1 Gbit/s link one all-reduce took 1.43x
+        # the wire's time with one, 1.06x with two (100 Mbit/s: 1.96x, 1.14x; benchmarks/links.py).
+        env["OMPI_MCA_btl_tcp_links"] = os.environ.get("OMPI_MCA_btl_tcp_links", "2")
     return env
 
 

@@ -16,6 +16,8 @@ Set by ``du-launch`` for every rank (``launch.job_environment``):
                      is a linker script: without this every rank silently runs a world of one)
     OMPI_MCA_mpi_abort_delay  1 (mpi, mlx-mpi; unless set): a rank that lost a peer aborts a
                      second later, so that mpirun names the rank that died first
+    OMPI_MCA_btl_tcp_links    2 (mpi, mlx-mpi; unless set): two TCP connections per pair of
+                     hosts, which brought Open MPI's all-reduce to the speed of a slow link
 
 Read here, set by other launchers: OMPI_COMM_WORLD_SIZE/RANK, PMI_SIZE/RANK (mpirun),
 MLX_WORLD_SIZE (NCCL), MLX_IBV_DEVICES (JACCL, set by ``mlx.launch``).
