@@ -16,9 +16,9 @@ import zlib
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 import distributed_utils as du
-from distributed_utils.tree import array_leaves
 
 
 def main():
@@ -30,10 +30,10 @@ def main():
     backend = du.initialize()
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(int(args.params // (1024 * 1025)))])
     mx.eval(model.parameters())
-    nbytes = sum(a.nbytes for _, a in array_leaves(model.parameters()))
+    nbytes = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
         path = f"{folder}/ck.safetensors"
-        raw = [np.asarray(a) for _, a in array_leaves(model.parameters())]
+        raw = [np.asarray(a) for _, a in tree_flatten(model.parameters())]
         runs = {"save": [], "load": [], "crc32": []}
         for _ in range(args.reps):
             for name, fn in (("save", lambda: du.save_checkpoint(backend, path, model=model)),

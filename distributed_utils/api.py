@@ -199,11 +199,10 @@ def allreduce_arrays(backend, arrays: list, op: str = "sum", scale: float = 1.0,
     return _reduce(backend, "allreduce_arrays", arrays, op, scale, in_place)
 
 
-def reduce_scatter_sum(backend, x, scale: float = 1.0):
+def reduce_scatter_sum(backend, x):
     """Collective: this rank's part of the sum of every rank's 1-d ``x`` (its length a
-    multiple of the world size) times ``scale``; see ``AbstractBackend.reduce_scatter``."""
-    details = ("sum",) if scale == 1.0 else ("sum", f"scale={scale:.4g}")
-    return _door(backend, "reduce_scatter", x, lambda a: backend.reduce_scatter(a, scale), *details)
+    multiple of the world size); see ``AbstractBackend.reduce_scatter``."""
+    return _door(backend, "reduce_scatter", x, backend.reduce_scatter, "sum")
 
 
 def _reduce(backend, what, arrays, op, scale=1.0, in_place=False):

@@ -22,11 +22,6 @@ class TreeMismatchError(ValueError):
     """Ranks hold differently structured trees; raised on every rank with the same message."""
 
 
-def array_leaves(tree) -> list:
-    """``[(key, array), ...]``: the mx and numpy arrays of ``tree`` in flattening order."""
-    return [(k, v) for k, v in tree_flatten(tree) if isinstance(v, (mx.array, np.ndarray))]
-
-
 def check_floating(leaves, what: str):
     """Raise TypeError naming the first of ``leaves`` (``[(key, array), ...]``) whose dtype is
     not floating: gradients, and the parameters an optimizer updates, are."""

@@ -54,13 +54,13 @@ class AbstractBackend(abc.ABC):
         Here the transport is eager: the sums are done now (``allreduce``)."""
         return self.allreduce(arrays, "sum", scale, in_place=True)
 
-    def reduce_scatter(self, x, scale: float = 1.0):
-        """This rank's part of the sum of every rank's ``x`` times ``scale``: ``x`` is 1-d, its
-        length a multiple of ``size``, and rank r gets elements ``r * c .. (r + 1) * c - 1``
+    def reduce_scatter(self, x):
+        """This rank's part of the sum of every rank's ``x``: ``x`` is 1-d, its length a
+        multiple of ``size``, and rank r gets elements ``r * c .. (r + 1) * c - 1``
         (c = length / size). Here: the whole sum, then the part; a transport with a native
         reduce-scatter overrides this and sets ``native_reduce_scatter``."""
         c = x.shape[0] // self.size
-        return self.allreduce([x], "sum", scale)[0][self.rank * c : (self.rank + 1) * c]
+        return self.allreduce([x], "sum")[0][self.rank * c : (self.rank + 1) * c]
 
     def __repr__(self):
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

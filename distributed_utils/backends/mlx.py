@@ -104,9 +104,7 @@ class _NativeReduceScatter:
 
     native_reduce_scatter = True
 
-    def reduce_scatter(self, x, scale=1.0):
-        if scale != 1.0:
-            x = x * scale
+    def reduce_scatter(self, x):
         return mx.distributed.sum_scatter(x, group=self.group, stream=self.stream)
 
 
