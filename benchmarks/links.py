@@ -135,47 +135,38 @@ def main():
         wargs = w.parse_args(args.worker)
         return (reduce_worker if wargs.kind == "reduce" else train_worker)(wargs)
 
-    import tempfile
+    from hosts import made_hosts
 
-    from hosts import Hosts
-
-    with tempfile.TemporaryDirectory() as tmp:
-        hosts = Hosts(Path(tmp))
-        for name in hosts.names:
-            subprocess.run(["ip", "netns", "add", name], check=True)
-        try:
-            hosts.create()
-            print("| backend | link | MB | float32: s | ratio to the link's limit | bfloat16: s | ratio |")
-            print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-            for backend in args.backends:
-                for rate in args.rates:
-                    bits = float(rate[:-4]) * (1e9 if rate.endswith("gbit") else 1e6)
-                    nbytes = int(min(113e6, bits / 8 * 2))  # about 2 s of the link, at most 113 MB
-                    hosts.shape(rate)
-                    row = []
-                    for compression in ("float32", "bfloat16"):
-                        wire = nbytes * (1.0 if compression == "float32" else 0.5) * 2 * (2 - 1) / 2  # N = 2
-                        limit = wire / (bits / 8)
-                        worker = ["reduce", "--bytes", str(nbytes), "--reps", str(args.reps)]
-                        got = run(hosts, backend, worker + (["--compression", "bfloat16"] if compression != "float32" else []), 600)
-                        row += [f"{got['seconds']:.3f}", f"{got['seconds'] / limit:.2f}"]
-                    print(f"| {backend} | {rate} | {nbytes / 1e6:.0f} | " + " | ".join(row) + " |", flush=True)
-            hosts.shape(None)
-            for backend in args.backends:
-                for rate in args.train_rates:
-                    hosts.shape(rate)
-                    budget = args.budget if rate == "100mbit" else args.budget / 2
-                    results = {c: run(hosts, backend, ["train", "--config", c, "--budget", str(budget)], 600) for c in args.configs}
-                    target = results["sync"]["loss"]
-                    print(f"\n{backend}, {rate}, {budget:g} s each: | run | steps | steps/s | MB sent per host | loss | "
-                          f"reached sync's final loss after |")  # fmt: skip
-                    for name, r in results.items():
-                        t = reached(r["trace"], target)
-                        when = "-" if t is None or name == "sync" else f"{t / results['sync']['seconds']:.2f} of sync's time"
-                        print(f"| {name} | {r['steps']} | {r['steps'] / r['seconds']:.2f} | {r['sent'] / 1e6:.1f} | "
-                              f"{r['loss']:.3f} | {when} |", flush=True)  # fmt: skip
-        finally:
-            hosts.remove()
+    with made_hosts() as hosts:
+        print("| backend | link | MB | float32: s | ratio to the link's limit | bfloat16: s | ratio |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for backend in args.backends:
+            for rate in args.rates:
+                bits = float(rate[:-4]) * (1e9 if rate.endswith("gbit") else 1e6)
+                nbytes = int(min(113e6, bits / 8 * 2))  # about 2 s of the link, at most 113 MB
+                hosts.shape(rate)
+                row = []
+                for compression in ("float32", "bfloat16"):
+                    wire = nbytes * (1.0 if compression == "float32" else 0.5) * 2 * (2 - 1) / 2  # N = 2
+                    limit = wire / (bits / 8)
+                    worker = ["reduce", "--bytes", str(nbytes), "--reps", str(args.reps)]
+                    got = run(hosts, backend, worker + (["--compression", "bfloat16"] if compression != "float32" else []), 600)
+                    row += [f"{got['seconds']:.3f}", f"{got['seconds'] / limit:.2f}"]
+                print(f"| {backend} | {rate} | {nbytes / 1e6:.0f} | " + " | ".join(row) + " |", flush=True)
+        hosts.shape(None)
+        for backend in args.backends:
+            for rate in args.train_rates:
+                hosts.shape(rate)
+                budget = args.budget if rate == "100mbit" else args.budget / 2
+                results = {c: run(hosts, backend, ["train", "--config", c, "--budget", str(budget)], 600) for c in args.configs}
+                target = results["sync"]["loss"]
+                print(f"\n{backend}, {rate}, {budget:g} s each: | run | steps | steps/s | MB sent per host | loss | "
+                      f"reached sync's final loss after |")  # fmt: skip
+                for name, r in results.items():
+                    t = reached(r["trace"], target)
+                    when = "-" if t is None or name == "sync" else f"{t / results['sync']['seconds']:.2f} of sync's time"
+                    print(f"| {name} | {r['steps']} | {r['steps'] / r['seconds']:.2f} | {r['sent'] / 1e6:.1f} | "
+                          f"{r['loss']:.3f} | {when} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

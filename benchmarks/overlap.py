@@ -13,7 +13,6 @@ seconds per step of each, taking turns for --rounds rounds of 24 steps, and thei
 import argparse
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -61,22 +60,15 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args.rounds)
-    from hosts import Hosts
+    from hosts import made_hosts
 
-    with tempfile.TemporaryDirectory() as tmp:
-        hosts = Hosts(Path(tmp))
-        for name in hosts.names:
-            subprocess.run(["ip", "netns", "add", name], check=True)
-        try:
-            hosts.create()
-            hosts.shape(args.rate)
-            for backend in args.backends:
-                argv = ["python", __file__, "--worker", "--rounds", str(args.rounds)]
-                done = subprocess.run(hosts.launcher(backend, argv), cwd=ROOT, capture_output=True, text=True, timeout=900)
-                lines = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
-                print(f"{backend}, {args.rate}: " + (lines[0] if lines else f"failed:\n{done.stdout}\n{done.stderr}"))
-        finally:
-            hosts.remove()
+    with made_hosts() as hosts:
+        hosts.shape(args.rate)
+        for backend in args.backends:
+            argv = ["python", __file__, "--worker", "--rounds", str(args.rounds)]
+            done = subprocess.run(hosts.launcher(backend, argv), cwd=ROOT, capture_output=True, text=True, timeout=900)
+            lines = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
+            print(f"{backend}, {args.rate}: " + (lines[0] if lines else f"failed:\n{done.stdout}\n{done.stderr}"))
 
 
 if __name__ == "__main__":

@@ -29,16 +29,16 @@ def check_elementwise(optimizer):
     """Raise ValueError unless ``optimizer``'s state can be sharded element by element."""
     if isinstance(optimizer, ELEMENTWISE) and not isinstance(optimizer, optim.MultiOptimizer):
         return
+    why = {
+        "Adafactor": "it factors each matrix's second moment into row and column statistics",
+        "MultiOptimizer": "it picks an optimizer for each parameter by its name",
+        "Muon": "it orthogonalizes each matrix's update as a whole",
+    }.get(type(optimizer).__name__, "it is not known to update each element on its own")
     names = ", ".join(c.__name__ for c in ELEMENTWISE) + " (and AdamW, a subclass of Adam)"
     raise ValueError(
-        f"shard_optimizer_state=True splits the optimizer state element by element, which is exact only for {names}; "
-        f"{type(optimizer).__name__} " + {
-            "Adafactor": "factors each matrix's second moment into row and column statistics",
-            "MultiOptimizer": "picks an optimizer for each parameter by its name",
-            "Muon": "orthogonalizes each matrix's update as a whole",
-        }.get(type(optimizer).__name__, "is not known to update each element on its own")
-        + ". Use shard_optimizer_state=False"
-    )  # fmt: skip
+        f"shard_optimizer_state=True splits the optimizer state element by element, which is exact only "
+        f"for {names}; {type(optimizer).__name__} cannot be split so: {why}. Use shard_optimizer_state=False"
+    )
 
 
 class Layout:

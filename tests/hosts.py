@@ -3,10 +3,12 @@ benchmarks/links.py): a hostfile, and a remote shell (`ip netns exec`, where use
 Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN), iproute2 and util-linux's unshare. Nothing
 leaves the two namespaces: the addresses are these hosts' own and neither has a route elsewhere."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,6 +88,20 @@ class Hosts:
                 pass
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@contextlib.contextmanager
+def made_hosts():
+    """The two hosts, made (namespaces, veth) for the ``with`` block and removed after it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        hosts = Hosts(Path(tmp))
+        try:
+            for name in hosts.names:
+                ip("netns", "add", name)
+            hosts.create()
+            yield hosts
+        finally:
+            hosts.remove()
 
 
 def command_line(pid) -> str:

@@ -22,6 +22,7 @@ class MLXBackend(AbstractBackend):
     mlx_name = ""  # the name mx.distributed.init takes
     requires = ""  # what the transport needs, for the error when it is missing
     stream = mx.cpu  # where collectives wait (NCCL's run on the GPU)
+    side = None  # start_sum's stream, made at its first use
 
     def __init__(self):
         cls = type(self).__name__
@@ -58,7 +59,8 @@ class MLXBackend(AbstractBackend):
     def start_sum(self, arrays, scale=1.0):
         # On a stream of its own, so that the rank's work on the default stream goes on meanwhile
         # (measured over a 100 Mbit/s link: 40% of the transfer hidden behind the compute).
-        self.side = getattr(self, "side", None) or mx.new_stream(self.stream or mx.default_device())
+        if self.side is None:
+            self.side = mx.new_stream(self.stream or mx.default_device())
         out = [a if a.size == 0 else mx.distributed.all_sum((a * scale if scale != 1.0 else a).reshape(-1), group=self.group,
                                                             stream=self.side).reshape(a.shape) for a in arrays]  # fmt: skip
         mx.async_eval(out)

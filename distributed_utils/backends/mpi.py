@@ -9,6 +9,7 @@ from .base import AbstractBackend, BackendUnavailableError
 
 #: Sums in place go through MPI in pieces of this size (the sizes side by side: docs/architecture.md).
 PIECE_BYTES = 4 * 2**20
+#: Results up to this size are received into numpy and copied (see ``_received``).
 SMALL_BYTES = 64 * 2**10
 
 _NARROW_FLOATS = (mx.float16, mx.bfloat16)  # no MPI type: reduced in float32, rounded once
@@ -71,8 +72,8 @@ class MPIBackend(AbstractBackend):
         for a in arrays:
             w = a.astype(mx.float32) if a.dtype in _NARROW_FLOATS else a
             view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
-            if view is None and w.size:  # a copy to reduce in
-                w = to_mx(own_memory(w) if own_memory(w) is not None else contiguous_numpy(w))
+            if view is None and w.size:
+                w = to_mx(contiguous_numpy(w))  # a copy to reduce in
                 view = own_memory(w)
             work.append(w)
             views.append(view)
