@@ -25,7 +25,7 @@ TAIL_LINES = 12  # of a failed rank's output, repeated in the failure's summary
 #: What ``distributed_utils.run`` prints (to stderr) when a rank's program ends well; not shown.
 FINISHED = re.compile(rb"^du-launch: rank (\d+) finished\n?$")
 _TAG = re.compile(rb"^\[\d+,(\d+)\]<std(?:out|err)>: ?")
-_WATCHDOG = re.compile(rb"^du watchdog: rank (\d+):.*?(this process itself was stopped)?")
+_WATCHDOG = re.compile(rb"^du watchdog: rank (\d+):(?:.*(this process itself was stopped))?")
 # mpirun's own report of the rank that ended the job (the lines it prints untagged)
 _MPIRUN_RANK = re.compile(rb"process rank (\d+)|Process name: \[\S+,(\d+)\]")
 _MPIRUN_SIGNAL = re.compile(rb"^signal (\d+) \(")

@@ -201,3 +201,16 @@ def test_check_on_one_machine_measures_the_job_and_finds_a_missing_script(backen
     run = launch(2, backend, ["--check", "python", "no/such/script.py"], timeout=60)
     assert run.returncode == 1, run.stdout
     assert "the script no/such/script.py is missing" in run.stdout, run.stdout
+
+
+def test_a_watchdog_report_of_a_stopped_rank_names_it_as_the_cause():
+    """The reports of d11 (a rank stopped inside a collective, then continued): the stopped rank
+    is named, and one that was not stopped is not."""
+    from distributed_utils.supervise import Report
+
+    report = Report(3)
+    for rank, tail in ((0, ""), (1, "; this process itself was stopped for 6.2 s of it"), (2, "")):
+        line = f"du watchdog: rank {rank}: collective #907 bcast(root=0) waiting since 12:30:00 (8.1 s); exiting{tail}\n"
+        report.scan(line.encode(), rank, True)
+    assert report.watchdog == {0, 1, 2} and report.stopped == {1}
+    assert "ranks [1] had been stopped (SIGSTOP or frozen) while waiting: the cause" in report.watchdog_summary()

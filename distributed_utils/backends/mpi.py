@@ -114,7 +114,7 @@ def _received(shape, dtype, receive) -> mx.array:
     a large one straight into its own memory, a small one into numpy's, then copied (a new
     MLX array costs tens of microseconds, more than copying ``SMALL_BYTES``)."""
     if int(np.prod(shape)) * dtype.itemsize <= SMALL_BYTES:
-        buf = np.empty(shape, dtype)
+        buf = np.zeros(shape, dtype)  # (zeros, as mx.zeros: no stale memory if a rank sent less)
         receive(_bytes(buf))
         return to_mx(buf)
     out = mx.zeros(shape, MX_BY_NUMPY[dtype])
