@@ -5,16 +5,18 @@ data container's position saved with it, no bookkeeping by hand (run under du-la
                                     [--die-at STEP] [--fault ATTEMPT:STEP:RANK:KIND ...] [--cut CMD]
                                     [--shard]
 
-Rank 0 writes the final parameters to OUT (safetensors); every rank prints a digest of its own. A fault happens to RANK at STEP of
-attempt ATTEMPT (DU_RESTART): KIND is kill (SIGKILL, as a crash), stop (SIGSTOP, as a frozen
-machine), raise (an exception), exit0 (the program ends early, exit code 0) or cut (runs
-CMD, which cuts the network link, then waits in the next step). ``--die-at S`` is
+Rank 0 writes the final parameters to OUT (safetensors); every rank prints a digest of its own.
+A fault happens to RANK at STEP of attempt ATTEMPT (DU_RESTART); the rank first prints it and
+appends it to OUT.faults. KIND is kill (SIGKILL, as a crash), stop (SIGSTOP, as a frozen
+machine), raise (an exception), exit0 (the program ends early, exit code 0) or cut (runs CMD,
+which cuts the network link, then waits in the next step). ``--die-at S`` is
 ``--fault 0:S:1:kill``. du-launch --max-restarts then starts the job again, and it resumes
 from the newest checkpoint. --items: each rank writes the items of every step to
 DIR/rank-R.txt, as lines "STEP EPOCH ITEM...". --shard: the optimizer state is sharded.
---diloco H: DiLoCo syncing every H steps instead of DistributedOptimizer. --preempt: after every step, ``du.preempted``: when True, save a checkpoint at that step and
-exit 0 (KIND sigterm sends SIGTERM to RANK itself); --hold-at STEP: every rank waits at STEP,
-in ``du.preempted`` collectives, until a signal preempts the job.
+--diloco H: DiLoCo syncing every H steps instead of DistributedOptimizer. --preempt: after
+every step, ``du.preempted``: when True, save a checkpoint at that step and exit 0 (KIND
+sigterm sends SIGTERM to RANK itself); --hold-at STEP: every rank waits at STEP, in
+``du.preempted`` collectives, until a signal preempts the job.
 """
 
 import argparse
@@ -50,6 +52,9 @@ faults = {(int(a), int(s), int(r)): kind for a, s, r, kind in faults}
 
 
 def fault(kind):
+    # Recorded in OUT.faults too: over mpi, a remote rank's last line of output can die with the link it cuts.
+    with open(f"{args.out}.faults", "a") as f:
+        print(f"[rank {du.local_rank(backend)}] fault: {kind} at step {step}", file=f)
     print(f"fault: {kind} at step {step}", flush=True)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
