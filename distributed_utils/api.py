@@ -353,6 +353,18 @@ def root_runs(backend, fn, root, error_type, doing: str):
     return result
 
 
+def check_same(backend, who: str, values: dict):
+    """Collective: raise ValueError on every rank, naming each rank's value, unless every rank
+    passes the same ``values`` (by repr): settings that decide which collectives a rank makes,
+    where a difference would leave ranks waiting for each other until the watchdog ends the job."""
+    everyone = _allgather_object(backend, {name: repr(v) for name, v in values.items()})
+    for name in values:
+        differ = [r for r, theirs in enumerate(everyone) if theirs[name] != everyone[0][name]]
+        if differ:
+            shown = ", ".join(f"rank {r}: {theirs[name]}" for r, theirs in enumerate(everyone))
+            raise ValueError(f"{who}: every rank needs the same {name}; ranks {differ} differ from rank 0 ({shown})")
+
+
 # --- arguments -------------------------------------------------------------------------
 
 

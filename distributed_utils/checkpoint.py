@@ -1,15 +1,9 @@
 """Checkpoints that survive a job killed at any moment, and resume to the same trajectory.
 
-``save_checkpoint`` is collective: rank 0 writes one safetensors file atomically (a temporary
-file in the same directory, fsync, rename over ``path``, fsync of the directory), and every
-rank returns only once it is complete, or raises rank 0's error. So ``path`` always holds the
-last complete checkpoint, whenever the job dies. ``load_checkpoint`` reads it on rank 0 and
-broadcasts it, so the other ranks (on other hosts) need not see the file.
-
-What a checkpoint holds: the model's parameters, the optimizer's state (step, learning rate,
-moments), every rank's MLX random state, the step, your data position and an ``extra`` value;
-with the same data order (``DistributedDataContainer.batches(epoch=, start=)``) training then
-continues bit for bit as if it had never stopped.
+Collective: rank 0 writes one safetensors file atomically (with a CRC-32 per array) and every
+rank returns once it is complete, so ``path`` always holds the last complete checkpoint;
+rank 0 reads it back and broadcasts it, so the other ranks (on other hosts) need not see it.
+With the same data order, training continues bit for bit as if it had never stopped.
 """
 
 import glob

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import watchdog
-from .api import allgather, allreduce, local_rank, total_workers
+from .api import allgather, allreduce, check_same, local_rank, total_workers
 from .partition import (global_batch, size_of, batch_count, epoch_indices, exactly_once_indices,
                         group_by_length, share_sizes, shard_bounds)  # fmt: skip
 
@@ -49,9 +49,9 @@ class DistributedDataContainer:
         self._before = []  # the parts of this epoch run before a restart at another world size or batch size
         self._resume = None  # load_state_dict's state, for the next batches()
         self._auto_sizes = None  # the batch sizes share="auto" last agreed on
-        self._columns = _as_columns(data, self._label)  # None unless data is a tuple or dict of columns
-        self._n = _length(data, self._columns, self._label)
-        self._check_same_length_everywhere()
+        self._columns, self._n = _columns_and_length(data, self._label)  # columns: None unless a tuple or dict
+        n = "a stream" if self._n is None else self._n  # (different lengths: different step counts)
+        check_same(backend, self._label, {"data (the whole data set), of length": n})
         if self._n is not None:
             self.indices = range(*shard_bounds(self._n, self.world_size, self.rank))
         if collate is not None and not callable(collate):
@@ -71,16 +71,6 @@ class DistributedDataContainer:
         if table.shape != (self._n,):
             raise ValueError(f"{self._label}: lengths must give one number per item ({self._n}), got shape {table.shape}")
         return lambda indices: table[indices]
-
-    def _check_same_length_everywhere(self):
-        """Collective, once: ranks holding data of different lengths would compute different
-        batch counts and deadlock in the gradient reduction; fail on every rank instead."""
-        lengths = allgather(self.backend, np.array([-1 if self._n is None else self._n]))
-        if (lengths != lengths[0]).any():
-            shown = ", ".join(f"rank {r}: {'a stream' if n < 0 else n}" for r, n in enumerate(lengths.tolist()))
-            raise ValueError(
-                f"{self._label}: every rank must pass the same data (the whole data set); lengths differ ({shown})"
-            )
 
     @property
     def is_stream(self) -> bool:
@@ -169,44 +159,37 @@ class DistributedDataContainer:
 
     def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=None,
                 exactly_once=False, share=None):  # fmt: skip
-        """Yields this rank's batches for one epoch: mx.arrays stacked along a new first axis
-        (a tuple or dict of them for tuple/dict/dataset data; strings and other non-numbers stay
-        lists), or what ``collate`` makes of the list of items. Every rank yields the same
-        number of batches, of the same sizes: every rank runs the same number of steps.
+        """Yields this rank's batches of one epoch: mx.arrays stacked along a new first axis (a
+        tuple or dict of them for such data; strings and other non-numbers stay lists), or what
+        ``collate`` makes of the list of items. Collective: every rank yields the same number of
+        batches, of the same sizes, and all must pass the same arguments (else ValueError on
+        every rank: different step counts would deadlock).
 
-        Sized data (``partition.epoch_indices``): each rank visits ``ceil(N / P)`` items (a rank
-        whose shard is one short repeats one), the last batch may be smaller; with
-        ``drop_last`` every batch is full and no item repeats. ``shuffle``: one permutation from
-        ``(seed, epoch)``, the same on every rank, then sharded; ``epoch`` defaults to
-        ``set_epoch``'s (or ``load_state_dict``'s). ``start`` skips batches; by default, after
-        ``load_state_dict``, those already done (done at another world size or batch size: the
-        items not yet visited are sharded anew). A stream: one ``allreduce(min)`` per batch;
-        the epoch ends where some rank runs short (with a last batch of the smallest count on
-        every rank, not with ``drop_last``).
-
-        ``exactly_once`` (evaluation): every item once across the ranks; each rank yields
-        ``(batch, mask)``, its shard filled up to the same number of full batches with repeats
-        of its first item, for which ``mask`` (float32) is 0. Weight metrics with the mask.
-
-        ``share`` (unequal hosts): this rank's share of each step's N x ``batch_size`` items, a
-        positive number (its speed, say): rank r gets ``share_sizes`` items a step, the order
-        read in global batches; weight the update by the batch (``weight=len(batch)``) for an
-        exact step. ``"auto"``: the ranks time their own work (a step less its time in
-        collectives) over the first ``AUTO_SHARE_STEPS`` steps of each epoch, agree on shares in
-        proportion (one allgather), say so on rank 0, and split the rest of the epoch so.
-
-        Collective: every rank checks that all ranks passed the same arguments, and raises
-        ValueError on every rank otherwise (different step counts would deadlock)."""
+        - Sized data (``partition.epoch_indices``): each rank visits ``ceil(N / P)`` items (a
+          rank one short repeats one); with ``drop_last`` every batch is full and none repeats.
+        - ``shuffle``: one permutation from ``(seed, epoch)``, the same on every rank; ``epoch``
+          defaults to ``set_epoch``'s (or ``load_state_dict``'s). ``start`` skips batches; by
+          default, after ``load_state_dict``, those done (at another world size or batch size
+          the items not yet visited are sharded anew).
+        - A stream: one ``allreduce(min)`` a batch; the epoch ends where a rank runs short.
+        - ``exactly_once`` (evaluation): every item once across the ranks, as ``(batch,
+          mask)``: each shard is filled up to the same number of batches with repeats of its
+          first item, whose ``mask`` (float32) is 0.
+        - ``share`` (unequal hosts): this rank's share of each step's N x ``batch_size`` items
+          (its speed, say; ``partition.share_sizes``); weight the update by ``len(batch)``.
+          ``"auto"``: the ranks time their own work (a step less its time in collectives) over
+          ``AUTO_SHARE_STEPS`` steps of each epoch, agree on shares in proportion (one
+          allgather; rank 0 prints them) and split the rest of the epoch so."""
         batch_size = self._batch_size(batch_size)
         epoch = self.epoch if epoch is None else operator.index(epoch)
-        self._check_same_everywhere(batch_size=batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
-                                    drop_last=drop_last, exactly_once=exactly_once, auto=share == "auto")  # fmt: skip
+        check_same(self.backend, f"{self._label}: batches()", dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
+                   epoch=epoch, drop_last=drop_last, exactly_once=exactly_once, auto_share=share == "auto"))  # fmt: skip
         if share is not None:
             self._check_sized("share=")
             batch_size = self._agreed_sizes(batch_size, share)
         before, skip = self._resumed_parts(epoch, batch_size)
         start = skip if start is None else operator.index(start)
-        self._check_same_everywhere(start=start)
+        check_same(self.backend, f"{self._label}: batches()", {"start": start})
         if exactly_once and (self.is_stream or drop_last or before):
             why = ("a stream's length is unknown" if self.is_stream else "drop_last skips items" if drop_last
                    else "the epoch was begun at another world size or batch size")  # fmt: skip
@@ -289,13 +272,6 @@ class DistributedDataContainer:
             yield batch
         self.epoch, self._before, self._part = epoch + 1, [], (self.world_size, batch_size, 0)
 
-    def _check_same_everywhere(self, **arguments):
-        everyone = allgather(self.backend, {name: repr(value) for name, value in arguments.items()})
-        for name in arguments:
-            if any(theirs[name] != everyone[0][name] for theirs in everyone):
-                shown = ", ".join(f"rank {r}: {theirs[name]}" for r, theirs in enumerate(everyone))
-                raise ValueError(f"{self._label}: batches() needs the same {name} on every rank ({shown})")
-
     def _stream_batches(self, batch_size, drop_last, skipped, start):
         items = itertools.islice(iter(self.data), skipped + self.rank, None, self.world_size)
         for _ in itertools.islice(items, start * batch_size):  # skipped locally: a rank that
@@ -339,45 +315,35 @@ class DistributedDataContainer:
         return f"DistributedDataContainer(rank={self.rank}, world_size={self.world_size}, {share})"
 
 
-def _as_columns(data, where):
-    """``data`` itself when it is a tuple or dict of columns (indexed together: ``(x, y)[i]`` is
-    ``(x[i], y[i])``), else None; an error for columns that cannot be indexed."""
-    if not isinstance(data, (tuple, dict)):
-        return None
-    if not data:
-        raise ValueError(f"{where}: data is an empty {type(data).__name__} (no fields)")
-    for key, field in (data.items() if isinstance(data, dict) else enumerate(data)):
-        if not _indexable(field) or isinstance(field, (tuple, dict)):
-            raise TypeError(
-                f"{where}: field {key!r} is a {type(field).__name__}; the fields of a tuple or dict "
-                "must be arrays or lists (len and indexing; no nested tuples or dicts)"
-            )
-    return data
-
-
-def _length(data, fields, where):
-    """The number of items, None for a stream; errors for empty, unindexable or mismatched data."""
-    if fields is not None:
-        keys = list(fields) if isinstance(fields, dict) else list(range(len(fields)))
-        n = _len(fields[keys[0]], where)
-        for key in keys[1:]:
-            if _len(fields[key], where) != n:
-                raise ValueError(
-                    f"{where}: field {key!r} has {_len(fields[key], where)} items but field "
-                    f"{keys[0]!r} has {n}; every field needs the same length (first axis)"
-                )
+def _columns_and_length(data, where):
+    """``(columns, n)``: ``data`` itself when it is a tuple or dict of columns, indexed together
+    (``(x, y)[i]`` is ``(x[i], y[i])``), else None; and the number of items, None for a stream.
+    Errors for empty, unindexable or mismatched data."""
+    columns = data if isinstance(data, (tuple, dict)) else None
+    if columns is not None:
+        if not data:
+            raise ValueError(f"{where}: data is an empty {type(data).__name__} (no fields)")
+        lengths = {}
+        for key, field in data.items() if isinstance(data, dict) else enumerate(data):
+            if not _indexable(field) or isinstance(field, (tuple, dict)):
+                raise TypeError(f"{where}: field {key!r} is a {type(field).__name__}; the fields of a tuple or dict "
+                                "must be arrays or lists (len and indexing; no nested tuples or dicts)")  # fmt: skip
+            lengths[key] = _len(field, where)
+        (first, n), *_ = lengths.items()
+        for key, m in lengths.items():
+            if m != n:
+                raise ValueError(f"{where}: field {key!r} has {m} items but field {first!r} has {n}; every field "
+                                 "needs the same length (first axis)")  # fmt: skip
     elif _indexable(data):
         n = _len(data, where)
     elif hasattr(data, "__len__") or not hasattr(data, "__iter__"):
-        raise TypeError(
-            f"{where}: cannot index a {type(data).__name__}; pass a sequence, a numpy or mx array, "
-            "a tuple or dict of arrays, a datasets.Dataset, or an iterable of unknown length"
-        )
+        raise TypeError(f"{where}: cannot index a {type(data).__name__}; pass a sequence, a numpy or mx array, "
+                        "a tuple or dict of arrays, a datasets.Dataset, or an iterable of unknown length")  # fmt: skip
     else:
-        return None
+        return None, None
     if n == 0:
         raise ValueError(f"{where}: data is empty (0 items)")
-    return n
+    return columns, n
 
 
 def _indexable(x) -> bool:

@@ -14,11 +14,11 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .api import allgather, check_backend
+from .api import allgather, check_backend, check_same
 from .optimizer import DistributedOptimizer, check_same_parameters
 from .reduction import Reduction, as_weight
 from .sharded import at_key
-from .tree import check_floating
+from .tree import floating_leaves
 
 
 class DiLoCo(optim.Optimizer):
@@ -26,36 +26,29 @@ class DiLoCo(optim.Optimizer):
     every ``sync_every`` steps the ranks agree on the parameters through ``outer_optimizer``.
 
     Collective like ``DistributedOptimizer``. A step that syncs no fragment makes no collective;
-    a sync is one ``reduce_gradients`` of the fragment's pseudo-gradients, then the outer step,
-    after which the synced parameters are bit for bit identical on every rank. The first update
-    checks that the ranks start from the same parameters and settings.
+    a sync is one reduction of the fragment's pseudo-gradients, then the outer step, after which
+    the synced parameters are bit for bit the same on every rank. The first update checks that
+    the ranks start from the same parameters and settings.
 
     Args:
-        backend: the backend the ranks share.
-        inner_optimizer: the rule each rank applies to its own gradients (AdamW, say).
-        outer_optimizer: the rule applied to the averaged pseudo-gradient; default
-            ``optim.SGD(0.7, momentum=0.9, nesterov=True)``. Its state is keyed by the
-            parameters' flat names; its step counts the syncs of every fragment.
-        sync_every: H, the inner steps between two syncs of a fragment (an int >= 1).
+        outer_optimizer: the rule for the averaged pseudo-gradient (default ``optim.SGD(0.7,
+            momentum=0.9, nesterov=True)``); its state is keyed by the parameters' flat names.
+        sync_every: H >= 1, the inner steps between two syncs of a fragment.
         fragments: F, 1 <= F <= min(H, number of parameter arrays).
-        compression: what the pseudo-gradients travel as (see ``reduce_gradients``): None,
-            ``"bfloat16"``, ``"float16"`` or ``"int8"``.
-        bucket_bytes: as for ``reduce_gradients``.
+        compression, bucket_bytes: what the pseudo-gradients travel as (``reduce_gradients``).
         fragment_sync_delay: tau, 0 <= tau < H // F (Streaming DiLoCo's overlap): a fragment's
-            pseudo-gradient is taken, and its all-reduce started, tau steps before its sync;
-            the ranks compute those steps while it travels (on the MLX backends; MPIBackend's
-            is done at once), and the sync applies the outer step to it. Any other collective
-            in between (``du.preempted``, say) first waits for it. Default 0.
-        fragment_update_alpha: after a sync, each rank's fragment becomes
-            ``global + alpha * (local - global)``: 0 (the default) takes the global parameters,
-            as without a delay; up to 1 keeps some of the local steps taken while it travelled.
+            all-reduce starts tau steps before its sync and travels while the ranks compute (on
+            the MLX backends; MPIBackend's is done at once); any other collective in between
+            first waits for it.
+        fragment_update_alpha: after a sync each rank's fragment is ``global + alpha * (local -
+            global)``: 0 (the default) takes the global parameters.
 
-    ``update(model, grads, weight=w)``: the outer average is weighted by the sum of each rank's
-    weights (tokens, say) since the fragment's last sync; pass it on every step or on none.
+    ``update(model, grads, weight=w)``: the outer average is weighted by each rank's weights
+    (tokens, say) since the fragment's last sync; pass it on every step or on none.
 
     Memory beyond the model and the inner state: the global parameters and the outer state
-    (with the default, one momentum): twice the trainable parameters, all in ``state``.
-    Checkpoints hold ``whole_state()``, which adds every rank's local parameters and inner state.
+    (one momentum by default), in ``state``. Checkpoints hold ``whole_state()``, which adds
+    every rank's local parameters and inner state.
     """
 
     def __init__(self, backend, inner_optimizer, *, outer_optimizer=None, sync_every=100, fragments=1,
@@ -122,8 +115,7 @@ class DiLoCo(optim.Optimizer):
     def init(self, parameters):
         """Start from ``parameters`` (a tree; those with gradients): the global copy, and the
         inner and outer optimizers' states. Local; ``update`` calls it the first time."""
-        leaves = [(k, p) for k, p in tree_flatten(parameters) if isinstance(p, mx.array)]
-        check_floating(leaves, "DiLoCo.init(parameters)")
+        leaves = floating_leaves(parameters, "DiLoCo.init(parameters)")
         if len(leaves) < self.fragments:
             raise ValueError(f"DiLoCo: fragments={self.fragments} but the model has only {len(leaves)} "
                              "parameter arrays; a fragment is at least one array")  # fmt: skip
@@ -179,7 +171,9 @@ class DiLoCo(optim.Optimizer):
         if self._global is None:
             if self.backend.size > 1:
                 check_same_parameters(self.backend, parameters, "DiLoCo")
-                self._check_same_settings()
+                check_same(self.backend, "DiLoCo", dict(sync_every=self.sync_every, fragments=self.fragments,
+                           compression=self.reduction.compression, fragment_sync_delay=self.delay,
+                           fragment_update_alpha=self.alpha))  # fmt: skip
             self.init(tree_map(lambda _, p: p, gradients, parameters))
         if self._steps == 0 and weight is not None:
             self._weights = [mx.array(0.0)] * self.fragments
@@ -197,17 +191,6 @@ class DiLoCo(optim.Optimizer):
                 local.update(self._sync(f, local))
         self._local = local
         return tree_unflatten(list(local.items()))
-
-    def _check_same_settings(self):
-        """Collective, at the first update: ranks that sync at other steps would wait for each
-        other until the watchdog ends the job; raise ValueError on every rank instead."""
-        mine = (self.sync_every, self.fragments, str(self.reduction.compression), self.delay, self.alpha)
-        everyone = allgather(self.backend, mine)
-        differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-        if differ:
-            raise ValueError(f"DiLoCo: ranks {differ} have other (sync_every, fragments, compression, "
-                             "fragment_sync_delay, fragment_update_alpha) than rank 0: "
-                             + ", ".join(f"rank {r}: {theirs}" for r, theirs in enumerate(everyone)))  # fmt: skip
 
     def _start(self, f, keys, local):
         """Collective: start averaging fragment ``f``'s pseudo-gradient (global minus local)."""

@@ -9,7 +9,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .api import allgather
+from .api import check_same
 from .arrays import UINT_BY_SIZE, evaluate
 from .backends import AbstractBackend
 from .reduction import Reduction, as_weight, reduce_gradients
@@ -18,42 +18,30 @@ from .sharded import ShardedState
 
 class DistributedOptimizer(optim.Optimizer):
     """Wraps ``optimizer`` so that every update first reduces the gradients across all ranks
-    (``reduce_gradients``).
-
-    A drop-in for the wrapped optimizer: ``update``, ``apply_gradients``, ``init``, ``state``
-    (the wrapped optimizer's own state, so ``du.synchronize`` and
-    ``mx.compile(step, inputs=state, outputs=state)`` see it), ``step``, ``learning_rate``,
-    and any other attribute, read through to ``optimizer``.
+    (``reduce_gradients``). A drop-in: ``update``, ``apply_gradients``, ``init``, ``state`` (the
+    wrapped optimizer's, so ``du.synchronize`` and ``mx.compile(..., inputs=state)`` see it),
+    ``step``, ``learning_rate`` and any other attribute read through to ``optimizer``.
 
     Collective: every rank calls ``update`` (or ``apply_gradients``, ``reduce_gradients``) as
-    often and in the same order as the others, with trees of the same keys, shapes and dtypes
-    (frozen parameters: frozen on every rank). Every reduction verifies that (one 32-byte
-    allgather; not while MLX traces a function), and raises ``du.TreeMismatchError`` on every
-    rank otherwise. The first update also checks, once, that every rank starts from the same
-    parameters (a forgotten ``du.synchronize``), and raises ``ValueError`` on every rank if not.
+    often and in the same order, with trees of the same keys, shapes and dtypes; every reduction
+    checks that (not while MLX traces), else ``du.TreeMismatchError`` on every rank. The first
+    update checks once that the ranks start from the same parameters (else ValueError).
 
     Args:
-        backend: the backend the ranks share (``du.get_distributed_backend(...)``).
         optimizer: any ``mlx.optimizers.Optimizer``, ``MultiOptimizer`` and schedules included.
-        op: ``"avg"`` (``du.avg``, the default) or ``"sum"``.
-        accumulate_steps: k > 1 adds up the gradients of k calls locally and reduces once, on
-            the k-th call, their mean (op "avg": like one process at batch k*N*B) or sum. The
-            other calls send nothing and leave the model, the step and the state as they are
-            (``apply_gradients`` returns the parameters). The count lives in Python, so keep
-            ``update`` out of ``mx.compile`` then. Default 1.
-        compression, bucket_bytes: as for ``reduce_gradients``.
-        shard_optimizer_state: True keeps on each rank the optimizer state of its share (1/N)
-            of the parameters (ZeRO stage 1, see ``sharded.py``): the gradients are reduced,
-            each rank updates its share, and the parameters are all-gathered. ``state`` then
-            holds this rank's pieces, keyed by parameter; checkpoints hold the whole state
-            (``whole_state``), and load into any world size, sharded or not. For optimizers
-            that work element by element (SGD, Adam, AdamW, Lion, RMSprop, Adagrad, AdaDelta,
-            Adamax); others are a ValueError. Default False.
+        op, compression, bucket_bytes: as for ``reduce_gradients`` (op "avg" or "sum").
+        accumulate_steps: k > 1 adds up k calls' gradients locally and reduces once, at the
+            k-th call, their mean (op "avg": like one process at batch k*N*B) or sum; the other
+            calls send nothing and change nothing (``apply_gradients`` returns the parameters).
+            The count lives in Python: keep ``update`` out of ``mx.compile`` then.
+        shard_optimizer_state: each rank keeps the state of its 1/N of the parameters (ZeRO
+            stage 1, ``sharded.py``): ``state`` holds this rank's slices, checkpoints the whole
+            state (``whole_state``), which loads into any world size, sharded or not. For the
+            element-by-element optimizers (``sharded.ELEMENTWISE``); others are a ValueError.
 
     Example: clip the averaged gradients before the rule::
 
-        grads = opt.reduce_gradients(grads)
-        grads, _ = optim.clip_grad_norm(grads, max_norm=1.0)
+        grads, _ = optim.clip_grad_norm(opt.reduce_gradients(grads), max_norm=1.0)
         opt.optimizer.update(model, grads)
     """
 
@@ -184,18 +172,13 @@ class DistributedOptimizer(optim.Optimizer):
 
 def check_same_parameters(backend, parameters, who="DistributedOptimizer"):
     """Collective, once: raise ValueError on every rank unless every rank holds rank 0's
-    parameters (one 32-byte allgather of a digest of their bits)."""
+    parameters (compared by a digest of their bits)."""
     digest = hashlib.sha256()
     for _, p in tree_flatten(parameters):
         if isinstance(p, mx.array):
             digest.update(memoryview(np.asarray(p.reshape(-1).view(UINT_BY_SIZE[p.dtype.size]))))
-    digests = allgather(backend, np.frombuffer(digest.digest(), np.uint8)).reshape(backend.size, -1)
-    differ = [r for r in range(backend.size) if (digests[r] != digests[0]).any()]
-    if differ:
-        raise ValueError(
-            f"{who}: at the first update, ranks {differ} hold other parameters than "
-            "rank 0: call du.synchronize(backend, model) on every rank before training"
-        )
+    name = "parameters at the first update (call du.synchronize(backend, model) on every rank first), digest"
+    check_same(backend, who, {name: digest.hexdigest()[:16]})
 
 
 def _add(a, b):

@@ -58,20 +58,13 @@ def global_batch(world_size, batch_size) -> int:
 
 
 def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=()):
-    """The global indices rank visits in this epoch, in order.
-
-    The epoch's order is ``epoch_order``'s, the same on every rank. Rank r reads that order
-    from the start of its shard, wrapping around the end (``samples_per_rank`` items): without
-    ``drop_last`` a rank whose shard is one item short repeats the next item (the first rank's
-    for the last rank).
-
-    With a list of every rank's batch size (``share_sizes``) the order is read instead in
-    global batches of their sum, rank r taking its slice of each; without ``drop_last`` the
-    last global batch wraps around to the start of the order.
-
-    ``done``: the parts of this epoch that earlier runs visited before a restart at another
-    world size, as ``(world_size, batch_size, batches)``; their items are left out, and the
-    rest of the epoch, in the same order, is sharded as above."""
+    """The global indices rank visits in this epoch, in order: the epoch's order
+    (``epoch_order``) read from the start of rank's shard, wrapping around the end
+    (``samples_per_rank`` items; without ``drop_last`` a shard one item short repeats the next
+    one). With every rank's batch size (a list, ``share_sizes``) the order is read in global
+    batches of their sum instead, rank r taking its slice of each; without ``drop_last`` the
+    last one wraps to the start. ``done``: the parts of this epoch visited before a restart at
+    another world size, ``(world_size, batch_size, batches)``; the rest is sharded as above."""
     left = remaining_positions(n, done)
     return epoch_order(n, shuffle, seed, epoch)[left[_share(len(left), world_size, rank, batch_size, drop_last)]]
 

@@ -19,50 +19,37 @@ import functools
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from .api import allgather, allreduce_arrays, reduce_scatter_sum, start_sum
 from .arrays import evaluate
-from .tree import GRADIENT_BUCKET_BYTES, buckets, check_floating, describe, pack, replace_arrays, unpack
+from .tree import GRADIENT_BUCKET_BYTES, buckets, describe, floating_leaves, pack, replace_arrays, unpack
 from .tree import verify_same_structure
 
 
 def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, weight=None, compression=None, bucket_bytes=None,
                      verify=True, what="reduce_gradients(grads)"):  # fmt: skip
-    """Collective: ``gradients`` (a tree) reduced across ranks, as a tree of the same structure.
+    """Collective: ``gradients`` (a tree; its floating mx.arrays, other leaves pass through)
+    reduced across ranks, as a tree of the same structure.
 
-    Args:
-        backend: the backend the ranks share.
-        gradients: a tree of floating mx.arrays; other leaves pass through.
-        op: ``"avg"`` (the default: with a mean-reduced loss, N ranks at batch B step like one
-            process at batch N*B) or ``"sum"``.
-        scale: a factor folded into the same pass (``reduce_gradients(g, scale=1/k)`` averages
-            the sum of k accumulated steps). Default 1.
-        weight: this rank's weight (a number or a 0-d mx.array, such as its count of tokens):
-            the result is the weighted mean ``sum_r weight_r * g_r / sum_r weight_r`` (op
-            "avg" only), so that with per-token-mean losses N ranks step exactly like one
-            process on the union of their tokens. The weights travel packed with the gradients
-            (in the same collective as the float32 ones). If every rank's weight is 0 the
-            gradients are 0. Default None.
-        compression: what travels (``as_compression``). ``mx.bfloat16`` or ``mx.float16``
-            (or their names): the gradients travel in that dtype, pre-divided by the world
-            size (so the sum cannot overflow), cast back after; MPIBackend has no 16-bit float
-            type and sends float32 (rounding only). ``"int8"``: each array travels as int8
-            with a scale of its own (its largest magnitude over the ranks, found in one small
-            allgather first), in ``127 // N`` levels each side so that the int8 sum of N ranks
-            cannot overflow: a quarter of float32's bytes, about 6 bits of precision at
-            2 ranks and 4 at 8 (meant for DiLoCo's pseudo-gradients). Default None.
-        bucket_bytes: arrays smaller than this travel packed by dtype, up to this many bytes a
-            collective; 0 sends each alone. Default (None): ``GRADIENT_BUCKET_BYTES`` (32 MiB).
-        verify: first check that every rank passes the same tree (keys, shapes, dtypes, and
-            whether weighted; one 32-byte allgather; not while MLX traces a function, when
-            nothing may talk eagerly), and raise ``TreeMismatchError`` on every rank if not.
-            Default True.
-        what: how errors name this call.
+    - ``op``: "avg" (the default: with a mean-reduced loss, N ranks at batch B step like one
+      process at batch N*B) or "sum"; ``scale`` multiplies the result in the same pass.
+    - ``weight``: this rank's weight (a number or 0-d mx.array, its count of tokens say): the
+      result is ``sum_r w_r g_r / sum_r w_r`` (op "avg"; zeros if every weight is 0), so that
+      N ranks step exactly like one process on the union of their tokens.
+    - ``compression`` (what travels): ``mx.bfloat16``/``mx.float16`` (or their names):
+      pre-divided by N so that the sum cannot overflow, cast back after (MPIBackend sends
+      float32); ``"int8"``: each array with a scale of its own, found in one small allgather,
+      in ``127 // N`` levels a side: a quarter of float32's bytes, about 6 bits of precision
+      at 2 ranks and 4 at 8 (for DiLoCo's pseudo-gradients). The table: this module's docstring.
+    - ``bucket_bytes``: arrays smaller than this travel packed by dtype, this many bytes a
+      collective (0: each alone; default ``GRADIENT_BUCKET_BYTES``, 32 MiB).
+    - ``verify``: first check that every rank passes the same tree and weighting (one 32-byte
+      allgather; not while MLX traces), else ``TreeMismatchError`` on every rank. ``what``
+      names the call in errors.
 
     On MPIBackend the gradients are reduced in their own memory when they can be (evaluated,
-    contiguous, not sharing memory with each other): afterwards those arrays hold the result.
-    In a world of one, ``gradients`` come back as they are (scaled if ``scale`` is not 1).
+    contiguous, not sharing memory): those arrays then hold the result. In a world of one they
+    come back as they are (scaled if ``scale`` is not 1).
     """
     reduction = Reduction(backend, op, compression, bucket_bytes)
     weight = None if weight is None else as_weight(weight)
@@ -91,12 +78,10 @@ class Reduction:
         TypeError for an array that is not floating."""
         if weight is not None and self.op != "avg":
             raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {self.op!r}")
-        flat = [(key, g) for key, g in tree_flatten(tree) if isinstance(g, mx.array)]
-        if verify and self.backend.size > 1 and evaluate([g for _, g in flat]):  # (not while MLX traces)
+        if verify and self.backend.size > 1 and evaluate(tree):  # (not while MLX traces)
             weighted = [("(weight)", "weighted")] if weight is not None else []
             verify_same_structure(self.backend, describe(tree) + weighted, what)
-        check_floating(flat, what)  # after the check: the same on every rank, as the dtypes agree
-        return flat
+        return floating_leaves(tree, what)  # after the check: the same error on every rank
 
     def allreduce(self, leaves, scale=1.0, weight=None) -> list:
         """Collective: each of ``leaves`` (floating mx.arrays) reduced across ranks, times
@@ -107,8 +92,8 @@ class Reduction:
         """Collective: ``allreduce``, started; returns the function that waits for its result.
         ``later``: the big transfers run while this rank computes (``api.start_sum``)."""
         if self.backend.size == 1 and weight is None:
-            result = leaves if scale == 1.0 else [g * scale for g in leaves]
-            return lambda: result
+            alone = leaves if scale == 1.0 else [g * scale for g in leaves]
+            return lambda: alone
         _raise_cache_limit(4 * sum(g.nbytes for g in leaves))
         if self.compression is None and weight is None:  # as they are: the transport scales
             return _bucketed(self.backend, leaves, self._factor(scale), self.bucket_bytes, later)

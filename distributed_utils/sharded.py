@@ -1,17 +1,14 @@
 """Sharded optimizer state (ZeRO stage 1): each rank keeps the optimizer state of its share of
-the parameters, about 1/N of it, and a step is:
+the parameters, about 1/N of it. With the parameters laid out as one flat vector per dtype,
+padded to a multiple of N, rank r owns shard r, and a step is:
 
-1. the gradients are reduced, and each rank takes its shard: with the parameters laid out as
-   one flat vector per dtype, padded to a multiple of the world size, rank r owns shard r.
-   Where the transport has a native reduce-scatter (NCCL, JACCL) that is one reduce-scatter;
-   elsewhere it is the usual reduction (``reduce_gradients``: in place and in pieces on MPI,
-   bucketed on the ring), then the shard is sliced out: measured, Open MPI's reduce-scatter
-   takes longer than its all-reduce in pieces, and it needs a flat copy of the gradients;
-2. each rank's optimizer updates its shard of the parameters, with its shard of the state;
-3. the updated shards are all-gathered into the whole parameters, the same on every rank.
+1. the gradients reduced, and this rank's shard taken: one reduce-scatter where the transport
+   has its own (NCCL, JACCL); elsewhere the usual all-reduce, then the slice (measured: Open
+   MPI's reduce-scatter is slower than its all-reduce in pieces, and needs a flat copy);
+2. this rank's optimizer updates its shard of the parameters, with its shard of the state;
+3. the updated shards all-gathered into the whole parameters, the same on every rank.
 
-This is exact for optimizers that work element by element (``ELEMENTWISE``): the update of
-each element depends only on that element's gradient, parameter and state, and on the step.
+Exact for optimizers that work element by element (``ELEMENTWISE``).
 """
 
 import mlx.core as mx
@@ -19,7 +16,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .api import allgather
-from .tree import check_floating
+from .tree import floating_leaves
 
 #: Optimizers whose update is element by element: their state can be split anywhere.
 ELEMENTWISE = (optim.SGD, optim.Adam, optim.Lion, optim.RMSprop, optim.Adagrad, optim.AdaDelta, optim.Adamax)
@@ -130,7 +127,7 @@ class ShardedState:
 
     def init(self, parameters):
         """Initialize the state of this rank's slices of ``parameters`` (a tree)."""
-        layout = self._layout(_floating_leaves(parameters, "DistributedOptimizer.init(parameters)"))
+        layout = self._layout(floating_leaves(parameters, "DistributedOptimizer.init(parameters)"))
         self.optimizer.init(layout.my_slices(dict(tree_flatten(parameters))))
 
     def whole_state(self) -> dict:
@@ -187,12 +184,6 @@ class ShardedState:
         names = list(layout.groups)
         shards = self.reduction.reduce_scatter([layout.flatten(grads, name) for name in names], scale, weight)
         return {key: s for name, shard in zip(names, shards) for key, s in layout.slices_of(shard, name).items()}
-
-
-def _floating_leaves(tree, what):
-    leaves = [(key, a) for key, a in tree_flatten(tree) if isinstance(a, mx.array)]
-    check_floating(leaves, what)
-    return leaves
 
 
 def at_key(tree, key: str):

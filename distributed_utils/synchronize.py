@@ -15,25 +15,21 @@ from .tree import BROADCAST_BUCKET_BYTES, TreeMismatchError, buckets, describe, 
 
 
 def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
-    """Collective: ``x`` with root's values, on every rank.
+    """Collective: ``x`` with root's values, on every rank (on root, and in a world of one,
+    ``x`` itself).
 
     - ``mx.array`` and numpy arrays arrive bit for bit (numpy ones as new numpy arrays).
-    - Trees (dict, list, tuple, namedtuple) come back with root's containers and root's
-      non-array leaves: numbers, None, str, bytes or any picklable object.
-    - An ``nn.Module`` gets root's ``parameters()`` (frozen ones and buffers such as
-      BatchNorm's running statistics included) through ``update``, in place; it is returned.
-      ``trainable_only``: only its trainable parameters travel (fine-tuning: every rank loaded
-      the same frozen base, and only the adapters, initialized at random, differ).
-    - An ``Optimizer`` gets root's ``state`` (step, learning rate, every moment), in place; it
-      is returned. Its state must exist: ``opt.init(model.trainable_parameters())``, or pass
-      ``model=`` to have an uninitialized optimizer initialized from it first. A
-      ``DistributedOptimizer(shard_optimizer_state=True)``: each rank's part of the state is
-      its own (the parts differ by design); the step and learning rate come from root.
+    - Trees (dict, list, tuple, namedtuple) come with root's containers and non-array leaves
+      (numbers, None, str, any picklable object).
+    - An ``nn.Module`` gets root's ``parameters()`` (frozen ones and buffers included), in place
+      (``trainable_only``: only its trainable ones, such as adapters over a shared frozen base).
+    - An ``Optimizer`` gets root's ``state``, in place; it must exist (``opt.init(...)``, or
+      ``model=`` to initialize it from the model). A sharded ``DistributedOptimizer`` keeps
+      its own slices; only the step and learning rate come from root.
 
-    Every rank must hold arrays at the same keys with the same shapes and dtypes: otherwise
-    every rank raises ``TreeMismatchError`` naming the first differing key. The arrays travel
-    packed, in one broadcast per item size (1, 2, 4 or 8 bytes) and ``BROADCAST_BUCKET_BYTES``;
-    the rest in one pickle. On root, and in a world of one, ``x`` itself is returned.
+    Every rank must hold arrays at the same keys with the same shapes and dtypes, else
+    ``TreeMismatchError`` on every rank naming the first differing key. The arrays travel as
+    bits packed in ``BROADCAST_BUCKET_BYTES`` buckets; the rest in one pickle.
     """
     check_root(backend, root)
     what = f"du.synchronize({type(x).__name__})"

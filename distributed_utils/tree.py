@@ -22,12 +22,14 @@ class TreeMismatchError(ValueError):
     """Ranks hold differently structured trees; raised on every rank with the same message."""
 
 
-def check_floating(leaves, what: str):
-    """Raise TypeError naming the first of ``leaves`` (``[(key, array), ...]``) whose dtype is
-    not floating: gradients, and the parameters an optimizer updates, are."""
+def floating_leaves(tree, what: str) -> list:
+    """``[(key, array)]``, the mx.arrays of ``tree``; a TypeError naming the first that is not
+    floating (gradients, and the parameters an optimizer updates, are)."""
+    leaves = [(key, a) for key, a in tree_flatten(tree) if isinstance(a, mx.array)]
     for key, a in leaves:
         if not mx.issubdtype(a.dtype, mx.inexact):
             raise TypeError(f"{what}: '{key}' has dtype {a.dtype}; gradients and the parameters they update are floating")
+    return leaves
 
 
 def replace_arrays(tree, arrays):

@@ -1,12 +1,10 @@
 """The watchdog: a collective that does not finish in time ends the job with a report, not a hang.
 
-Every collective passes through ``api``'s door, which runs it inside ``collective(...)``: it
-gets a sequence number and an entry in this process's table of regions in flight. A daemon
-thread checks the table; when an entry is older than its timeout it prints, for this rank,
-what it waits on and since when, waits ``GRACE`` seconds (so that the other ranks stuck in the
-same collective print theirs), and ends the process with ``EXIT_CODE`` through ``os._exit``:
-the main thread is stuck in C code and cannot be interrupted. The launcher (or mpirun) then
-stops the other ranks. ``watch(...)`` puts any region of the user's under the same clock.
+``api``'s door runs every collective inside ``collective(...)``: a sequence number and an entry
+in this process's table of regions in flight. A daemon thread checks the table; past its
+timeout an entry is reported (what this rank waits on, since when), and after ``GRACE``
+seconds (for the other ranks to report theirs) the process ends with ``EXIT_CODE`` through
+``os._exit``: the main thread is stuck in C code. The launcher then stops the other ranks.
 """
 
 import contextlib
@@ -16,7 +14,6 @@ import sys
 import threading
 import time
 
-import mlx.core as mx
 
 from .arrays import show, signature
 from .backends.environment import launched_rank, report_path
@@ -229,24 +226,18 @@ def _expire(entries):
 
 
 def _say(message):
-    """Print ``message`` where it can be seen: stderr (and the process's own, when pytest, say,
-    captures sys.stderr), and the launcher's report file (captured output is lost at exit)."""
-    streams = [sys.stderr]
-    try:
-        if sys.stderr.fileno() != sys.__stderr__.fileno():
-            streams.append(sys.__stderr__)
-    except Exception:  # a replacement without a file descriptor
-        streams += [sys.__stderr__] if sys.stderr is not sys.__stderr__ else []
-    path = report_path()
+    """Print ``message`` where it can be seen: stderr, the process's own stderr when that is
+    another file (pytest captures sys.stderr), and the launcher's report file (captured output
+    is lost at exit)."""
+    streams, path = [sys.stderr, sys.__stderr__], report_path()
+    with contextlib.suppress(Exception):  # (a replacement without a file descriptor: write to both)
+        if sys.stderr.fileno() == sys.__stderr__.fileno():
+            streams = [sys.stderr]
     for stream in streams:
-        try:
+        with contextlib.suppress(Exception):  # closed or missing; the exit is what matters
             stream.write(message + "\n")
             stream.flush()
-        except Exception:  # closed or missing; the exit is what matters
-            pass
-    if path:
-        try:
+    with contextlib.suppress(OSError):  # a remote host without the launcher's directory
+        if path:
             with open(path, "a") as f:
                 f.write(message + "\n")
-        except OSError:  # a remote host without the launcher's directory
-            pass

@@ -2,25 +2,8 @@
 process knows it was launched, where the MPI library is, and the one order in which MLX's
 MPI and mpi4py can share it.
 
-Set by ``du-launch`` for every rank (``launch.job_environment``):
-
-    DU_BACKEND       the backend's launch name (mpi, ring, mlx-mpi): ``initialize()`` starts it
-    DU_WORLD_SIZE    the number of processes started: a backend seeing another size fails
-    DU_JOB_ID        unique per job and attempt: ranks of two jobs that cross-connect fail
-    DU_RESTART       the attempt, 0 for the first (``--max-restarts``)
-    DU_TIMEOUT       the watchdog's timeout in seconds (``--timeout``); DU_DEBUG=1 (``--debug``)
-    DU_REPORT_DIR    where a rank's watchdog also writes its report (``rank-R.report``), for the
-                     launcher to print when the rank's own output was lost
-    MLX_RANK, MLX_HOSTFILE   the ring's rank and its JSON list of addresses (ring only)
-    MLX_MPI_LIBNAME  the real libmpi for MLX's MPI backend (on Linux the wheel's ``libmpi.so``
-                     is a linker script: without this every rank silently runs a world of one)
-    OMPI_MCA_mpi_abort_delay  1 (mpi, mlx-mpi; unless set): a rank that lost a peer aborts a
-                     second later, so that mpirun names the rank that died first
-    OMPI_MCA_btl_tcp_links    2 (mpi, mlx-mpi; unless set): two TCP connections per pair of
-                     hosts, which brought Open MPI's all-reduce to the speed of a slow link
-
-Read here, set by other launchers: OMPI_COMM_WORLD_SIZE/RANK, PMI_SIZE/RANK (mpirun),
-MLX_WORLD_SIZE (NCCL), MLX_IBV_DEVICES (JACCL, set by ``mlx.launch``).
+The variables du-launch sets for every rank (``launch.job_environment``), and those other
+launchers set that are read here: docs/architecture.md, "The launcher's contract".
 """
 
 import json
@@ -31,6 +14,7 @@ import sys
 from pathlib import Path
 
 from .base import BackendUnavailableError
+
 
 def listen_error(ip: str, port: int):
     """Why a listening socket cannot bind ``ip:port`` now (as MLX's ring binds: SO_REUSEADDR),

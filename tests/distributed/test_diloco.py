@@ -234,7 +234,6 @@ def test_bad_input_is_a_clear_error_on_every_rank(backend, make, error, words):
 @pytest.mark.world(min_size=2)
 def test_ranks_with_other_settings_fail_on_every_rank_at_the_first_update(backend):
     opt = du.DiLoCo(backend, optim.SGD(0.1), sync_every=4 + (du.local_rank(backend) == 1))
-    with pytest.raises(ValueError, match=r"DiLoCo: ranks \[1\] have other \(sync_every, fragments, compression, "
-                                         r"fragment_sync_delay, fragment_update_alpha\) than rank 0: "
-                                         r"rank 0: \(4, 1, 'None', 0, 0.0\), rank 1: \(5, 1, 'None', 0, 0.0\)"):
+    with pytest.raises(ValueError, match=r"DiLoCo: every rank needs the same sync_every; ranks \[1\] differ from "
+                                         r"rank 0 \(rank 0: 4, rank 1: 5(, rank 2: 4)?(, rank 3: 4)?\)"):
         train(backend, opt, 1)

@@ -147,7 +147,7 @@ def test_a_forgotten_synchronize_raises_at_the_first_update_on_every_rank(backen
 def test_batches_with_a_different_batch_size_on_one_rank_raise_on_every_rank(backend):  # #11
     data = du.DistributedDataContainer(backend, np.arange(40))
     batch = 4 + (backend.rank == 1)
-    raised_everywhere(backend, lambda: data.batches(batch), ValueError, "needs the same batch_size on every rank")
+    raised_everywhere(backend, lambda: data.batches(batch), ValueError, "batches(): every rank needs the same batch_size; ranks [1] differ from rank 0")
 
 
 @pytest.mark.world(backend=du.MLXBackend)
