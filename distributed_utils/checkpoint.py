@@ -245,11 +245,11 @@ def _find_and_read(path: Path):
     verified; when ``path`` is a directory of them, the newest intact one (warning of those
     skipped)."""
     if not path.is_dir():
-        return path, _verified(path, _read_header(path))
+        return path, _verified_header(path)
     errors = []
     for candidate in reversed(_checkpoints_in(path)):
         try:
-            header = _verified(candidate, _read_header(candidate))
+            header = _verified_header(candidate)
         except CheckpointError as e:
             errors.append(str(e))
             continue
@@ -261,24 +261,10 @@ def _find_and_read(path: Path):
     return path, None
 
 
-def _verified(path: Path, header):
-    """``header``, once every array's bytes in ``path`` match the checksum saved with it."""
-    if header is None:
-        return None
-    meta, entries, crcs = header
-    if crcs is None:
-        warnings.warn(f"{path} was written without checksums (by an older version): loaded unverified")
-        return meta, entries
-    data = _data(path)
-    for key, (_, _, (a, b)) in entries.items():
-        if zlib.crc32(data[a:b]) != crcs.get(key):
-            raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
-    return meta, entries
-
-
-def _read_header(path: Path):
-    """``(meta, {key: (dtype code, shape, (start, end))}, {key: crc32} or None)``, or None when there is no file;
-    a CheckpointError naming what is wrong for a file that is not a complete checkpoint."""
+def _verified_header(path: Path):
+    """``(meta, {key: (dtype code, shape, (start, end))})``, or None when there is no file; a
+    CheckpointError naming what is wrong for a file that is not a complete checkpoint, or
+    whose arrays' bytes do not match the checksums saved with them."""
     if not path.exists():
         return None
     size = path.stat().st_size
@@ -310,7 +296,14 @@ def _read_header(path: Path):
                 f"has data_offsets {[start, end]} in a file of {size} bytes"
             )
         entries[key] = (code, shape, (start, end))
-    return meta, entries, crcs
+    if crcs is None:
+        warnings.warn(f"{path} was written without checksums (by an older version): loaded unverified")
+        return meta, entries
+    data = _data(path)
+    for key, (_, _, (a, b)) in entries.items():
+        if zlib.crc32(data[a:b]) != crcs.get(key):
+            raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
+    return meta, entries
 
 
 def _data(path: Path) -> np.ndarray:

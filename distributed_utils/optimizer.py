@@ -64,25 +64,11 @@ class DistributedOptimizer(optim.Optimizer):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, state):
-        self.optimizer.state = state
-
-    @property
-    def step(self):
-        return self.optimizer.step
-
-    @property
-    def learning_rate(self):
-        return self.optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.optimizer.learning_rate = learning_rate
+    # mlx.optimizers.Optimizer's own properties, which __getattr__ never reaches
+    state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v))
+    step = property(lambda self: self.optimizer.step)
+    learning_rate = property(lambda self: self.optimizer.learning_rate,
+                             lambda self, v: setattr(self.optimizer, "learning_rate", v))  # fmt: skip
 
     def init(self, parameters):
         """The wrapped optimizer's ``init`` (of this rank's share when sharded); local."""
