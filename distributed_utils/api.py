@@ -145,7 +145,7 @@ def allreduce(backend, x, op):
         return back(_reduce(backend, "allreduce", arr.astype(mx.uint8), op).astype(mx.bool_))
     if op in ("max", "min") and is_floating(arr.dtype):
         return back(_nan_wins(backend, arr, op))
-    return back(_reduce(backend, "allreduce", arr, op))
+    return back(_reduce(backend, "allreduce", arr, op, in_place=arr is not x))  # (in place: in our own copy)
 
 
 def _nan_wins(backend, a, op):

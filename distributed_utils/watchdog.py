@@ -68,24 +68,25 @@ def debug() -> bool:
 
 class Call:
     """One collective as the reports show it: ``what`` ("allreduce"), its ``details`` ("sum",
-    "root=1") and its arrays (None, an array, or a list of them; kept as signatures)."""
+    "root=1") and its arrays (None, an array, or a list of them), shown by signature only when
+    a report or the debug check asks (a signature costs microseconds; most calls need none)."""
 
     def __init__(self, what, details, arrays):
-        sigs = [signature(a) for a in arrays] if isinstance(arrays, list) else None if arrays is None else signature(arrays)
-        self.seq, self.what, self.details, self.arrays = 0, what, details, sigs
+        self.seq, self.what, self.details, self.arrays = 0, what, details, arrays
 
     def report(self) -> str:
         """``allreduce(sum) float32(1024,)``: what the watchdog prints."""
         text = f"{self.what}({', '.join(self.details)})" if self.details else self.what
         if isinstance(self.arrays, list):
-            shown = ", ".join(show(s) for s in self.arrays[:3])
+            shown = ", ".join(show(signature(a)) for a in self.arrays[:3])
             return f"{text} [{len(self.arrays)} arrays: {shown}{', ...' if len(self.arrays) > 3 else ''}]"
-        return text if self.arrays is None else f"{text} {show(self.arrays)}"
+        return text if self.arrays is None else f"{text} {show(signature(self.arrays))}"
 
     def key(self) -> str:
         """``#5 allreduce(float32(3,), sum)``: what must agree across ranks (debug mode)."""
         arrays = self.arrays
-        shown = [] if arrays is None else [f"[{', '.join(map(show, arrays))}]" if isinstance(arrays, list) else show(arrays)]
+        shown = [] if arrays is None else [
+            f"[{', '.join(show(signature(a)) for a in arrays)}]" if isinstance(arrays, list) else show(signature(arrays))]
         return f"#{self.seq} {self.what}({', '.join(shown + list(self.details))})"
 
 

@@ -68,7 +68,7 @@ class MPIBackend(AbstractBackend):
             return traced.allreduce(arrays, op, scale)
         # Decide (and copy) everything before overwriting anything: arrays may share memory.
         # Only the copying depends on this rank; the MPI calls depend on dtypes and sizes alone.
-        work, views, taken = [], [], []
+        work, views, taken = [], [], [] if len(arrays) > 1 else None
         for a in arrays:
             w = a.astype(mx.float32) if a.dtype in _NARROW_FLOATS else a
             view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
@@ -122,10 +122,11 @@ def _received(shape, dtype, receive) -> mx.array:
     return out
 
 
-def _unshared(view, taken: list):
-    """``view`` if its memory overlaps no span in ``taken`` (it joins them), else None."""
-    if view is None:
-        return None
+def _unshared(view, taken):
+    """``view`` if its memory overlaps no span in ``taken`` (it joins them), else None; with
+    ``taken`` None (a lone array: reading its address costs microseconds), ``view``."""
+    if view is None or taken is None:
+        return view
     start = view.__array_interface__["data"][0]
     end = start + view.nbytes
     if any(s < end and start < e for s, e in taken):
