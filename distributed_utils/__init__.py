@@ -3,22 +3,7 @@
 PYTEST_DONT_REWRITE (its pytest plugin loads it; it holds no tests to rewrite)
 """
 
-from .api import (
-    CollectiveMismatchError,
-    allgather,
-    allreduce,
-    avg,
-    barrier,
-    bcast,
-    get_distributed_backend,
-    initialize,
-    initialized,
-    local_rank,
-    node_rank,
-    reduce,
-    total_workers,
-    weighted_mean,
-)
+from .collectives import CollectiveMismatchError, allgather, allreduce, avg, barrier, bcast, reduce, weighted_mean
 from .backends import (
     AbstractBackend,
     BackendUnavailableError,
@@ -35,6 +20,7 @@ from .diloco import DiLoCo
 from .optimizer import DistributedOptimizer
 from .preemption import preempted
 from .reduction import reduce_gradients
+from .registry import get_distributed_backend, initialize, initialized, local_rank, node_rank, total_workers
 from .synchronize import synchronize
 from .tree import TreeMismatchError
 from .watchdog import watch

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .api import check_backend, allgather, bcast, root_runs
+from .collectives import check_backend, allgather, bcast, root_runs
 from .arrays import UINT_BY_SIZE, show, to_mx
 from .synchronize import has_state, synchronize
 from .tree import describe

@@ -17,7 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import watchdog
-from .api import allgather, allreduce, check_same, local_rank, total_workers
+from .collectives import allgather, allreduce, check_same
+from .registry import local_rank, total_workers
 from .partition import (global_batch, size_of, batch_count, epoch_indices, exactly_once_indices,
                         group_by_length, share_sizes, shard_bounds)  # fmt: skip
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .api import allgather, check_backend, check_same
+from .collectives import allgather, check_backend, check_same
 from .optimizer import DistributedOptimizer, check_same_parameters
 from .reduction import Reduction, as_weight
 from .sharded import at_key

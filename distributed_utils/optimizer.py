@@ -9,7 +9,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .api import check_same
+from .collectives import check_same
 from .arrays import UINT_BY_SIZE, evaluate
 from .backends import AbstractBackend
 from .reduction import Reduction, as_weight, reduce_gradients

@@ -12,7 +12,7 @@ import signal
 
 import numpy as np
 
-from .api import allreduce
+from .collectives import allreduce
 
 _received = []  # the signals this process received since the first preempted()
 

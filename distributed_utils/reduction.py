@@ -20,7 +20,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from .api import allgather, allreduce_arrays, reduce_scatter_sum, start_sum
+from .collectives import allgather, allreduce_arrays, reduce_scatter_sum, start_sum
 from .arrays import evaluate
 from .tree import GRADIENT_BUCKET_BYTES, buckets, describe, floating_leaves, pack, replace_arrays, unpack
 from .tree import verify_same_structure
@@ -90,7 +90,7 @@ class Reduction:
 
     def start(self, leaves, scale=1.0, weight=None, later=True):
         """Collective: ``allreduce``, started; returns the function that waits for its result.
-        ``later``: the big transfers run while this rank computes (``api.start_sum``)."""
+        ``later``: the big transfers run while this rank computes (``collectives.start_sum``)."""
         if self.backend.size == 1 and weight is None:
             alone = leaves if scale == 1.0 else [g * scale for g in leaves]
             return lambda: alone

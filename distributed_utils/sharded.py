@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .api import allgather
+from .collectives import allgather
 from .tree import floating_leaves
 
 #: Optimizers whose update is element by element: their state can be split anywhere.

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .api import allgather
+from .collectives import allgather
 from .arrays import show, signature
 
 GRADIENT_BUCKET_BYTES = 32 * 2**20  # gradients packed per collective (mlx.nn.average_gradients uses 32 MiB too)

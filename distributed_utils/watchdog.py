@@ -1,6 +1,6 @@
 """The watchdog: a collective that does not finish in time ends the job with a report, not a hang.
 
-``api``'s door runs every collective inside ``collective(...)``: a sequence number and an entry
+``collectives``' door runs every collective inside ``collective(...)``: a sequence number and an entry
 in this process's table of regions in flight. A daemon thread checks the table; past its
 timeout an entry is reported (what this rank waits on, since when), and after ``GRACE``
 seconds (for the other ranks to report theirs) the process ends with ``EXIT_CODE`` through

@@ -1,5 +1,5 @@
 """The primitives every transport implements; everything above ``backends/`` reaches them
-only through the collectives of ``api.py``, which check, watch and evaluate."""
+only through ``collectives.py``, which check, watch and evaluate."""
 
 import abc
 
@@ -15,7 +15,7 @@ class AbstractBackend(abc.ABC):
     """A fixed group of processes that run the same collectives in the same order.
 
     Subclasses set ``rank`` and ``size`` in ``__init__`` and implement the primitives below.
-    Primitives take and return ``mx.array``s (no bool: ``api`` sends those as uint8), the
+    Primitives take and return ``mx.array``s (no bool: ``collectives`` sends those as uint8), the
     same shapes and dtypes on every rank; their inputs arrive evaluated, except while MLX
     traces a function (``mx.compile``), where a transport that needs values raises.
     """

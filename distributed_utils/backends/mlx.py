@@ -1,6 +1,6 @@
 """Backends on MLX's own ``mx.distributed``: ring (TCP), MPI, NCCL (CUDA) and JACCL (RDMA).
 
-Collectives are lazy graph nodes (``api`` evaluates them, except inside ``mx.compile``). They
+Collectives are lazy graph nodes (``collectives`` evaluates them, except inside ``mx.compile``). They
 run on the CPU stream (NCCL's on the GPU): on a Mac, a collective waiting on the network from
 the GPU stream can be killed by macOS's GPU watchdog. What ``mx.distributed`` lacks is built from what it has:
 broadcast is an integer all_sum of the root's bits (exact for NaN payloads and -0.0), and

@@ -1,28 +1,25 @@
-"""initialize / get_distributed_backend, and the one door for every collective.
+"""The collectives, and the one door every collective passes.
 
 Every function here that takes a backend is collective: all ranks call it, in the same order,
 with arrays of the same shape and dtype. Every collective the library issues, its own
 included (synchronize, the optimizer, checkpoints, data), passes through ``_door``: its inputs
 are evaluated, then, watched (``watchdog.py``), the debug check runs, the backend's primitive
 runs and its result is evaluated. Results stay lazy only while MLX traces a function
-(``mx.compile``, ``vmap``).
+(``mx.compile``, ``vmap``). Python objects travel pickled, as bytes, through the same door.
 """
 
 import operator
 import pickle
-import socket
 
 import mlx.core as mx
 import numpy as np
 
 from . import watchdog
 from .arrays import check_travels, evaluate, is_array, is_floating, to_mx, to_numpy
-from .backends import BY_LAUNCH_NAME, AbstractBackend, MLXBackend, RingBackend, environment
+from .backends import AbstractBackend
 
 #: Lux's ``DistributedUtils.avg``: the averaging reduction op.
 avg = "avg"
-
-_BACKENDS = {}
 
 _OPS = {
     "sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "prod",
@@ -34,91 +31,6 @@ _OPS = {
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks issued different collectives (debug mode); raised on every rank with the same message."""
-
-
-def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> AbstractBackend:
-    """Start ``backend_type`` (a class such as ``du.MPIBackend``) in this process; collective.
-
-    Idempotent: later calls return the backend started first. With no argument, the
-    backend that ``du-launch`` started (or MPI under ``mpirun``, else a world of one).
-    ``timeout``: seconds after which a collective that has not finished ends the job
-    (default ``DU_TIMEOUT``, else 300; 0: never); ``debug``: check every collective's
-    op, shapes and dtypes across ranks first (default ``DU_DEBUG``). Pass the same on every rank.
-    """
-    if backend_type is None:
-        name = environment.launched_backend_name()
-        if name is not None and name not in BY_LAUNCH_NAME:
-            raise ValueError(f"DU_BACKEND={name!r} is not one of {sorted(BY_LAUNCH_NAME)}")
-        backend_type = RingBackend if name is None else BY_LAUNCH_NAME[name]
-    _check_backend_type(backend_type)
-    watchdog.configure(timeout, debug)
-    if backend_type not in _BACKENDS:
-        with watchdog.connecting(f"initialize({backend_type.__name__})"):
-            backend = backend_type(**kwargs)
-            _handshake(backend)
-        _BACKENDS[backend_type] = backend
-        if environment.job_id() is not None:
-            watchdog.exit_with_launcher()
-    return _BACKENDS[backend_type]
-
-
-def _handshake(backend):
-    """Learn ``node_rank``, and check that every rank belongs to the job the launcher
-    started (two jobs on one port cross-connect)."""
-    expected = environment.expected_world_size()
-    if expected is not None and expected != backend.size:
-        raise environment.BackendUnavailableError(
-            f"{type(backend).__name__}: {environment.launcher_name()} started {expected} processes but this backend sees "
-            f"a world of {backend.size}; launch it with `du-launch --backend {backend.launch_name}`, or "
-            f"initialize the backend this job was started for (du.initialize() with no argument: "
-            f"{environment.launched_backend_name()})"
-        )
-    peers = allgather(backend, (socket.gethostname(), environment.job_id()))
-    by_job = {}
-    for rank, (_, job) in enumerate(peers):
-        by_job.setdefault(job, []).append(rank)
-    if len(by_job) > 1:
-        raise RuntimeError(
-            f"{type(backend).__name__}: rank {backend.rank} is connected to processes of another "
-            f"job (ranks by job id: {by_job}); two jobs share a port"
-        )
-    hosts = [host for host, _ in peers]
-    backend.node_rank = hosts[: backend.rank].count(hosts[backend.rank])
-
-
-def initialized(backend_type) -> bool:
-    """Whether ``initialize(backend_type)`` has run in this process."""
-    _check_backend_type(backend_type)
-    return backend_type in _BACKENDS
-
-
-def get_distributed_backend(backend_type) -> AbstractBackend:
-    """The backend object that ``initialize(backend_type)`` started."""
-    _check_backend_type(backend_type)
-    if backend_type not in _BACKENDS:
-        raise RuntimeError(
-            f"{backend_type.__name__} is not initialized: call "
-            f"du.initialize(du.{backend_type.__name__}) first (on every rank)"
-        )
-    return _BACKENDS[backend_type]
-
-
-def local_rank(backend) -> int:
-    """This process's rank in the whole job (Lux's ``local_rank``: 0 .. total_workers - 1)."""
-    return check_backend(backend).rank
-
-
-def total_workers(backend) -> int:
-    """The number of processes in the job."""
-    return check_backend(backend).size
-
-
-def node_rank(backend) -> int:
-    """This process's rank among the job's processes on the same host."""
-    return check_backend(backend).node_rank
-
-
-# --- the collectives -------------------------------------------------------------------
 
 
 def bcast(backend, x, root: int = 0):
@@ -392,21 +304,6 @@ def _number_as_mx(x):
     if isinstance(x, int) and not isinstance(x, bool) and arr.dtype != np.int64:
         raise TypeError(f"the integer {x} does not fit in int64")
     return to_mx(check_travels(arr)), lambda r: type(x)(to_numpy(r).item())
-
-
-def _check_backend_type(backend_type):
-    if isinstance(backend_type, AbstractBackend):
-        raise TypeError(
-            f"expected a backend class such as du.{type(backend_type).__name__}, "
-            f"got the backend instance {backend_type!r}"
-        )
-    if not (isinstance(backend_type, type) and issubclass(backend_type, AbstractBackend)):
-        raise TypeError(
-            f"expected a backend class (one of du.{', du.'.join(c.__name__ for c in BY_LAUNCH_NAME.values())}), "
-            f"got {backend_type!r}"
-        )
-    if backend_type in (AbstractBackend, MLXBackend):
-        raise TypeError(f"{backend_type.__name__} is abstract; use one of its subclasses")
 
 
 def check_backend(backend) -> AbstractBackend:

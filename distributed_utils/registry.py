@@ -1,0 +1,107 @@
+"""The backends started in this process: ``initialize`` (once per backend class, checked against
+what the launcher started) and the rank queries."""
+
+import socket
+
+from . import watchdog
+from .backends import BY_LAUNCH_NAME, AbstractBackend, MLXBackend, RingBackend, environment
+from .collectives import allgather, check_backend
+
+_BACKENDS = {}
+
+
+def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> AbstractBackend:
+    """Start ``backend_type`` (a class such as ``du.MPIBackend``) in this process; collective.
+
+    Idempotent: later calls return the backend started first. With no argument, the
+    backend that ``du-launch`` started (or MPI under ``mpirun``, else a world of one).
+    ``timeout``: seconds after which a collective that has not finished ends the job
+    (default ``DU_TIMEOUT``, else 300; 0: never); ``debug``: check every collective's
+    op, shapes and dtypes across ranks first (default ``DU_DEBUG``). Pass the same on every rank.
+    """
+    if backend_type is None:
+        name = environment.launched_backend_name()
+        if name is not None and name not in BY_LAUNCH_NAME:
+            raise ValueError(f"DU_BACKEND={name!r} is not one of {sorted(BY_LAUNCH_NAME)}")
+        backend_type = RingBackend if name is None else BY_LAUNCH_NAME[name]
+    _check_backend_type(backend_type)
+    watchdog.configure(timeout, debug)
+    if backend_type not in _BACKENDS:
+        with watchdog.connecting(f"initialize({backend_type.__name__})"):
+            backend = backend_type(**kwargs)
+            _handshake(backend)
+        _BACKENDS[backend_type] = backend
+        if environment.job_id() is not None:
+            watchdog.exit_with_launcher()
+    return _BACKENDS[backend_type]
+
+
+def _handshake(backend):
+    """Learn ``node_rank``, and check that every rank belongs to the job the launcher
+    started (two jobs on one port cross-connect)."""
+    expected = environment.expected_world_size()
+    if expected is not None and expected != backend.size:
+        raise environment.BackendUnavailableError(
+            f"{type(backend).__name__}: {environment.launcher_name()} started {expected} processes but this backend sees "
+            f"a world of {backend.size}; launch it with `du-launch --backend {backend.launch_name}`, or "
+            f"initialize the backend this job was started for (du.initialize() with no argument: "
+            f"{environment.launched_backend_name()})"
+        )
+    peers = allgather(backend, (socket.gethostname(), environment.job_id()))
+    by_job = {}
+    for rank, (_, job) in enumerate(peers):
+        by_job.setdefault(job, []).append(rank)
+    if len(by_job) > 1:
+        raise RuntimeError(
+            f"{type(backend).__name__}: rank {backend.rank} is connected to processes of another "
+            f"job (ranks by job id: {by_job}); two jobs share a port"
+        )
+    hosts = [host for host, _ in peers]
+    backend.node_rank = hosts[: backend.rank].count(hosts[backend.rank])
+
+
+def initialized(backend_type) -> bool:
+    """Whether ``initialize(backend_type)`` has run in this process."""
+    _check_backend_type(backend_type)
+    return backend_type in _BACKENDS
+
+
+def get_distributed_backend(backend_type) -> AbstractBackend:
+    """The backend object that ``initialize(backend_type)`` started."""
+    _check_backend_type(backend_type)
+    if backend_type not in _BACKENDS:
+        raise RuntimeError(
+            f"{backend_type.__name__} is not initialized: call "
+            f"du.initialize(du.{backend_type.__name__}) first (on every rank)"
+        )
+    return _BACKENDS[backend_type]
+
+
+def local_rank(backend) -> int:
+    """This process's rank in the whole job (Lux's ``local_rank``: 0 .. total_workers - 1)."""
+    return check_backend(backend).rank
+
+
+def total_workers(backend) -> int:
+    """The number of processes in the job."""
+    return check_backend(backend).size
+
+
+def node_rank(backend) -> int:
+    """This process's rank among the job's processes on the same host."""
+    return check_backend(backend).node_rank
+
+
+def _check_backend_type(backend_type):
+    if isinstance(backend_type, AbstractBackend):
+        raise TypeError(
+            f"expected a backend class such as du.{type(backend_type).__name__}, "
+            f"got the backend instance {backend_type!r}"
+        )
+    if not (isinstance(backend_type, type) and issubclass(backend_type, AbstractBackend)):
+        raise TypeError(
+            f"expected a backend class (one of du.{', du.'.join(c.__name__ for c in BY_LAUNCH_NAME.values())}), "
+            f"got {backend_type!r}"
+        )
+    if backend_type in (AbstractBackend, MLXBackend):
+        raise TypeError(f"{backend_type.__name__} is abstract; use one of its subclasses")
