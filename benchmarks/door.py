@@ -6,6 +6,8 @@ Every row is the mean of --reps calls after 50 warm-up calls, the methods taking
 run; rank 0 prints microseconds per call and the ratio to the raw call. Raw: mpi4py's Allreduce
 and Bcast on numpy buffers (MPIBackend), or mx.distributed.all_sum of an mx.array, evaluated
 (MLX backends). du: the public collectives, through the door (checks, watchdog, evaluation).
+Between them, the layers of ``du.allreduce(mx.array)``: the raw call inside the watchdog's
+``collective``, the backend's primitive alone, and the door (``collectives._reduce``).
 """
 
 import argparse
@@ -15,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 import distributed_utils as du
+from distributed_utils import collectives, watchdog
 
 
 def main():
@@ -40,7 +43,14 @@ def main():
         raw = {"allreduce": lambda: backend.comm.Allreduce(x, out, op=MPI.SUM), "bcast": lambda: backend.comm.Bcast(x)}
     else:
         raw = {"allreduce": lambda: mx.eval(mx.distributed.all_sum(m, group=backend.group, stream=mx.cpu))}
+    def watched():
+        with watchdog.Collective(backend.rank, watchdog.Call("allreduce", ("sum",), m)):
+            raw["allreduce"]()
+
     rows = {
+        "  raw allreduce, watched": ("allreduce", watched),
+        "  backend.allreduce([mx.array])": ("allreduce", lambda: mx.eval(backend.allreduce([m], "sum"))),
+        "  the door (collectives._reduce)": ("allreduce", lambda: collectives._reduce(backend, "allreduce", m, "sum")),
         "du.allreduce(mx.array of 4 floats)": ("allreduce", lambda: du.allreduce(backend, m, "sum")),
         "du.allreduce(numpy array of 4 floats)": ("allreduce", lambda: du.allreduce(backend, x, "sum")),
         "du.allreduce(a Python float)": ("allreduce", lambda: du.allreduce(backend, 1.0, "sum")),

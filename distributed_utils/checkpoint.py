@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .collectives import check_backend, allgather, bcast, root_runs
 from .arrays import UINT_BY_SIZE, show, to_mx
+from .collectives import allgather, bcast, check_backend, root_runs
 from .synchronize import has_state, synchronize
 from .tree import describe
 

@@ -159,7 +159,7 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     for finish in list(_started):
         finish()
     tracing = not evaluate(arrays)
-    with watchdog.collective(backend.rank, watchdog.Call(what, details, arrays)) as call:
+    with watchdog.Collective(backend.rank, watchdog.Call(what, details, arrays)) as call:
         if call is not None and not tracing and backend.size > 1 and watchdog.debug():
             _check_same_call(backend, call)
         out = primitive(arrays)

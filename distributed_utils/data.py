@@ -18,9 +18,9 @@ import numpy as np
 
 from . import watchdog
 from .collectives import allgather, allreduce, check_same
+from .partition import (batch_count, epoch_indices, exactly_once_indices, global_batch, group_by_length, share_sizes,
+                        shard_bounds, size_of)  # fmt: skip
 from .registry import local_rank, total_workers
-from .partition import (global_batch, size_of, batch_count, epoch_indices, exactly_once_indices,
-                        group_by_length, share_sizes, shard_bounds)  # fmt: skip
 
 #: ``batches(share="auto")`` times this many steps (after one warm-up step) of each epoch.
 AUTO_SHARE_STEPS = 4

@@ -9,9 +9,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .collectives import check_same
 from .arrays import UINT_BY_SIZE, evaluate
 from .backends import AbstractBackend
+from .collectives import check_same
 from .reduction import Reduction, as_weight, reduce_gradients
 from .sharded import ShardedState
 

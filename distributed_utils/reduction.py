@@ -20,8 +20,8 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from .collectives import allgather, allreduce_arrays, reduce_scatter_sum, start_sum
 from .arrays import evaluate
+from .collectives import allgather, allreduce_arrays, reduce_scatter_sum, start_sum
 from .tree import GRADIENT_BUCKET_BYTES, buckets, describe, floating_leaves, pack, replace_arrays, unpack
 from .tree import verify_same_structure
 

@@ -8,8 +8,8 @@ from mlx.nn import Module
 from mlx.optimizers import MultiOptimizer, Optimizer
 from mlx.utils import tree_flatten
 
-from .collectives import bcast, check_root, root_runs
 from .arrays import MX_DTYPES, UINT_BY_SIZE, bits, width
+from .collectives import bcast, check_root, root_runs
 from .optimizer import DistributedOptimizer
 from .tree import BROADCAST_BUCKET_BYTES, TreeMismatchError, buckets, describe, pack, unpack, verify_same_structure
 

@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .collectives import allgather
 from .arrays import show, signature
+from .collectives import allgather
 
 GRADIENT_BUCKET_BYTES = 32 * 2**20  # gradients packed per collective (mlx.nn.average_gradients uses 32 MiB too)
 BROADCAST_BUCKET_BYTES = 16 * 2**20  # synchronize's buckets: small enough to stay in MLX's buffer cache
