@@ -50,14 +50,19 @@ def allreduce(backend, x, op):
     Floating max/min: a NaN on any rank gives NaN there, on every backend."""
     op = _op_name(op)
     check_backend(backend)
-    arr, back = _as_mx(x) if is_array(x) else _number_as_mx(x)
+    arr, back = _as_mx(x) if isinstance(x, mx.array) else _as_numpy(x)
+    if isinstance(arr, np.ndarray):
+        if backend.host_buffers and arr.dtype != np.bool_ and not (is_floating(arr.dtype) and op in ("max", "min")):
+            _check_op_dtype(op, arr.dtype)  # MPI on host memory: the values never become MLX arrays
+            return back(_reduce(backend, "allreduce", arr, op, in_place=arr is not x))
+        arr = to_mx(arr)
     _check_op_dtype(op, arr.dtype)
     if arr.dtype == mx.bool_:  # as bytes: MPI aborts on bools
         op = "max" if op in ("sum", "max") else "min"
         return back(_reduce(backend, "allreduce", arr.astype(mx.uint8), op).astype(mx.bool_))
     if op in ("max", "min") and is_floating(arr.dtype):
         return back(_nan_wins(backend, arr, op))
-    return back(_reduce(backend, "allreduce", arr, op, in_place=arr is not x))  # (in place: in our own copy)
+    return back(_reduce(backend, "allreduce", arr, op, in_place=not isinstance(x, mx.array)))  # (in our own copy)
 
 
 def _nan_wins(backend, a, op):
@@ -288,8 +293,11 @@ def _as_mx(x):
     return x, lambda r: r
 
 
-def _number_as_mx(x):
-    """A Python or numpy number as an mx.array, and the function that gives a result back as a number."""
+def _as_numpy(x):
+    """A numpy array or a Python or numpy number as a numpy array, and the function that gives a
+    result (numpy or mx) back as ``x``'s kind."""
+    if isinstance(x, np.ndarray):
+        return check_travels(x), lambda r: r if isinstance(r, np.ndarray) else to_numpy(r)
     if isinstance(x, complex):
         raise TypeError(
             "Python complex numbers are double precision, which MLX lacks: "
@@ -303,7 +311,7 @@ def _number_as_mx(x):
     arr = np.asarray(x)
     if isinstance(x, int) and not isinstance(x, bool) and arr.dtype != np.int64:
         raise TypeError(f"the integer {x} does not fit in int64")
-    return to_mx(check_travels(arr)), lambda r: type(x)(to_numpy(r).item())
+    return check_travels(arr), lambda r: type(x)((r if isinstance(r, np.ndarray) else to_numpy(r)).item())
 
 
 def check_backend(backend) -> AbstractBackend:

@@ -15,9 +15,10 @@ class AbstractBackend(abc.ABC):
     """A fixed group of processes that run the same collectives in the same order.
 
     Subclasses set ``rank`` and ``size`` in ``__init__`` and implement the primitives below.
-    Primitives take and return ``mx.array``s (no bool: ``collectives`` sends those as uint8), the
-    same shapes and dtypes on every rank; their inputs arrive evaluated, except while MLX
-    traces a function (``mx.compile``), where a transport that needs values raises.
+    Primitives take and return ``mx.array``s (no bool: ``collectives`` sends those as uint8;
+    numpy arrays too for ``allreduce`` with ``host_buffers``), the same shapes and dtypes on
+    every rank; their inputs arrive evaluated, except while MLX traces a function
+    (``mx.compile``), where a transport that needs values raises.
     """
 
     rank: int
@@ -28,6 +29,9 @@ class AbstractBackend(abc.ABC):
     node_rank: int = 0
     #: Whether ``reduce_scatter`` is the transport's own (half an all-reduce's traffic).
     native_reduce_scatter: bool = False
+    #: Whether ``allreduce`` also takes numpy arrays, and gives numpy ones back for them (a
+    #: transport on host memory: numbers and numpy arrays then never become MLX arrays).
+    host_buffers: bool = False
 
     @abc.abstractmethod
     def allreduce(self, arrays: list, op: str, scale: float = 1.0, in_place: bool = False) -> list:
