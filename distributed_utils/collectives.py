@@ -344,5 +344,5 @@ def _op_name(op) -> str:
 def _check_op_dtype(op, dtype):
     if op == "avg" and not is_floating(dtype):
         raise TypeError(f"op 'avg' needs a floating or complex dtype, got {dtype}; use 'sum'")
-    if op in ("max", "min") and dtype == mx.complex64:
+    if op in ("max", "min") and is_floating(dtype) and "complex" in str(dtype):  # (mx or numpy dtype)
         raise TypeError(f"op {op!r} is not defined for complex numbers ({dtype})")
