@@ -72,8 +72,9 @@ class MPIBackend(AbstractBackend):
         # Only the copying depends on this rank; the MPI calls depend on dtypes and sizes alone.
         work, views, taken = [], [], [] if len(arrays) > 1 else None
         for a in arrays:
-            if isinstance(a, np.ndarray):  # (host_buffers)
-                w = view = a.astype(np.float32) if a.dtype == np.float16 else a if in_place else np.array(a)
+            if isinstance(a, np.ndarray):  # (host_buffers) reduced in a, handed over, or in a copy
+                mine = in_place and a.flags.c_contiguous and a.flags.writeable
+                w = view = a.astype(np.float32) if a.dtype == np.float16 else a if mine else np.array(a)
                 work.append(w)
                 views.append(view)
                 continue
