@@ -47,6 +47,9 @@ def main(argv=None):
     for attempt in range(args.max_restarts + 1):
         hosts = reachable(every_host, args)  # a host lost may come back
         code, report, failure = run_job(hosts, args.command, args, attempt)
+        if report.not_started and not report.tails:  # no rank ran: nothing to lose by trying once more
+            log("mpirun could not start the job (its PMIx server did not start); starting it once more")
+            code, report, failure = run_job(hosts, args.command, args, attempt)
         if report.preempted is not None:
             log(f"the job was preempted ({signal.Signals(report.preempted).name}) and "
                 + ("ended within the grace period" if failure is None else f"then failed (exit code {code})"))

@@ -30,6 +30,7 @@ _WATCHDOG = re.compile(rb"^du watchdog: rank (\d+):(?:.*(this process itself was
 _MPIRUN_RANK = re.compile(rb"process rank (\d+)|Process name: \[\S+,(\d+)\]")
 _MPIRUN_SIGNAL = re.compile(rb"^signal (\d+) \(")
 _MPIRUN_LOST = re.compile(rb"lost communication with a remote daemon")
+_MPIRUN_NOT_STARTED = re.compile(rb"The PMIx server's listener thread failed to start")  # seen once in CI: transient
 # what MLX's ring prints on the ranks that lose a peer: an effect, not the cause, of a failure
 _PEER_LOST = re.compile(rb"^\[ring\] (Socket \d+ was closed|Sending to socket|Too many send/recv)|peer was lost")
 _print_lock = threading.Lock()
@@ -64,7 +65,7 @@ class Report:
         self.tails = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
         self.finished, self.peer_lost, self.watchdog, self.stopped = set(), set(), set(), set()
         self.failed_rank = self.signal = None
-        self.lost_host = False
+        self.lost_host = self.not_started = False  # not_started: mpirun could not start the job
         self.preempted = None  # the signal that preempted the job
         self.failure = threading.Event()
 
@@ -92,6 +93,7 @@ class Report:
             if _MPIRUN_LOST.search(line):
                 self.lost_host = True
                 self.failure.set()
+            self.not_started = self.not_started or bool(_MPIRUN_NOT_STARTED.search(line))
             m = _MPIRUN_SIGNAL.match(line)
             if m and self.signal is None:
                 self.signal = int(m.group(1))

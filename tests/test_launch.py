@@ -214,3 +214,28 @@ def test_a_watchdog_report_of_a_stopped_rank_names_it_as_the_cause():
         report.scan(line.encode(), rank, True)
     assert report.watchdog == {0, 1, 2} and report.stopped == {1}
     assert "ranks [1] had been stopped (SIGSTOP or frozen) while waiting: the cause" in report.watchdog_summary()
+
+
+@pytest.mark.parametrize("a_rank_ran", [False, True])
+def test_mpirun_that_could_not_start_the_job_is_started_once_more(a_rank_ran, monkeypatch, capsys):
+    """mpirun failing before any rank ran (seen once in CI: its PMIx server's listener did not
+    start) is started once more; once a rank has run, the failure is the job's, and stands."""
+    from distributed_utils import launch
+    from distributed_utils.supervise import Failure, Report
+
+    attempts = []
+
+    def run_job(hosts, command, args, attempt=0):
+        report = Report(len(hosts))
+        if not attempts:
+            report.scan(b"The PMIx server's listener thread failed to start. We cannot\n", None, False)
+            if a_rank_ran:
+                report.scan(b"imported\n", 0, True)
+        attempts.append(report.not_started)
+        return (213, report, Failure(213, None, "exited with code 213")) if len(attempts) == 1 else (0, report, None)
+
+    monkeypatch.setattr(launch, "run_job", run_job)
+    with pytest.raises(SystemExit) as ended:
+        launch.main(["-n", "2", "--backend", "mpi", "python", "-c", "pass"])
+    assert (ended.value.code, attempts) == ((213, [True]) if a_rank_ran else (0, [True, False]))
+    assert ("starting it once more" in capsys.readouterr().err) is not a_rank_ran
