@@ -51,18 +51,16 @@ def allreduce(backend, x, op):
     op = _op_name(op)
     check_backend(backend)
     arr, back = _as_mx(x) if isinstance(x, mx.array) else _as_numpy(x)
-    if isinstance(arr, np.ndarray):
-        if backend.host_buffers and arr.dtype != np.bool_ and not (is_floating(arr.dtype) and op in ("max", "min")):
-            _check_op_dtype(op, arr.dtype)  # MPI on host memory: the values never become MLX arrays
-            return back(_reduce(backend, "allreduce", arr, op, in_place=arr is not x))
-        arr = to_mx(arr)
     _check_op_dtype(op, arr.dtype)
-    if arr.dtype == mx.bool_:  # as bytes: MPI aborts on bools
+    bools, nan_wins = arr.dtype in (np.bool_, mx.bool_), op in ("max", "min") and is_floating(arr.dtype)
+    if isinstance(arr, np.ndarray) and not (backend.host_buffers and not (bools or nan_wins)):
+        arr = to_mx(arr)  # (else it stays in numpy, and no MLX array is made: MPI on host memory)
+    if bools:  # as bytes: MPI aborts on bools
         op = "max" if op in ("sum", "max") else "min"
         return back(_reduce(backend, "allreduce", arr.astype(mx.uint8), op).astype(mx.bool_))
-    if op in ("max", "min") and is_floating(arr.dtype):
+    if nan_wins:
         return back(_nan_wins(backend, arr, op))
-    return back(_reduce(backend, "allreduce", arr, op, in_place=not isinstance(x, mx.array)))  # (in our own copy)
+    return back(_reduce(backend, "allreduce", arr, op, in_place=arr is not x))  # (in place: in our own copy)
 
 
 def _nan_wins(backend, a, op):

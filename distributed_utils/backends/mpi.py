@@ -75,14 +75,12 @@ class MPIBackend(AbstractBackend):
             if isinstance(a, np.ndarray):  # (host_buffers) reduced in a, handed over, or in a copy
                 mine = in_place and a.flags.c_contiguous and a.flags.writeable
                 w = view = a.astype(np.float32) if a.dtype == np.float16 else a if mine else np.array(a)
-                work.append(w)
-                views.append(view)
-                continue
-            w = a.astype(mx.float32) if a.dtype in _NARROW_FLOATS else a
-            view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
-            if view is None and w.size:
-                w = to_mx(contiguous_numpy(w))  # a copy to reduce in
-                view = own_memory(w)
+            else:
+                w = a.astype(mx.float32) if a.dtype in _NARROW_FLOATS else a
+                view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
+                if view is None and w.size:
+                    w = to_mx(contiguous_numpy(w))  # a copy to reduce in
+                    view = own_memory(w)
             work.append(w)
             views.append(view)
         for view in views:
