@@ -7,7 +7,6 @@ datasets) only when they are asked for.
 """
 
 import functools
-import itertools
 import operator
 import sys
 import time
@@ -17,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import watchdog
-from .collectives import allgather, allreduce, check_same
+from .collectives import allgather, check_same
 from .partition import (batch_count, epoch_indices, exactly_once_indices, global_batch, group_by_length, share_sizes,
                         shard_bounds, size_of)  # fmt: skip
 from .registry import local_rank, total_workers
@@ -30,14 +29,13 @@ class DistributedDataContainer:
 
     ``data``: a sequence (``len`` and ``data[i]``); a numpy or mx array (first axis); a tuple or
     dict of those, indexed together (``(x, y)`` gives ``(x[i], y[i])``); a Hugging Face
-    ``datasets.Dataset`` (rows read with ``ds[list_of_indices]``); or an iterable of unknown
-    length (a stream: rank r takes items r, r + P, r + 2P, ...). ``collate``: a function from a
-    list of items to a batch (else items are stacked); ``lengths``: each item's length (an
+    ``datasets.Dataset`` (rows read with ``ds[list_of_indices]``). ``collate``: a function from
+    a list of items to a batch (else items are stacked); ``lengths``: each item's length (an
     array, or a function of an item), for ``batches`` to group items of similar lengths.
 
-    Collective at construction (all ranks must pass data of the same length); then, for sized
-    data, ``len()``, ``container[i]`` (global item ``indices[i]``) and iteration cover this
-    rank's shard, with no communication.
+    Collective at construction (all ranks must pass data of the same length); then ``len()``,
+    ``container[i]`` (global item ``indices[i]``) and iteration cover this rank's shard, with
+    no communication.
     """
 
     def __init__(self, backend, data, *, collate=None, lengths=None):
@@ -51,10 +49,8 @@ class DistributedDataContainer:
         self._resume = None  # load_state_dict's state, for the next batches()
         self._auto_sizes = None  # the batch sizes share="auto" last agreed on
         self._columns, self._n = _columns_and_length(data, self._label)  # columns: None unless a tuple or dict
-        n = "a stream" if self._n is None else self._n  # (different lengths: different step counts)
-        check_same(backend, self._label, {"data (the whole data set), of length": n})
-        if self._n is not None:
-            self.indices = range(*shard_bounds(self._n, self.world_size, self.rank))
+        check_same(backend, self._label, {"data (the whole data set), of length": self._n})  # (else: unequal steps)
+        self.indices = range(*shard_bounds(self._n, self.world_size, self.rank))
         if collate is not None and not callable(collate):
             raise TypeError(f"{self._label}: collate must be a function from a list of items to a batch")
         self.collate = collate
@@ -64,7 +60,6 @@ class DistributedDataContainer:
         """``lengths`` as a function from global indices to lengths (memoized for a function of an item)."""
         if lengths is None:
             return None
-        self._check_sized("lengths")
         if callable(lengths):
             of_item = functools.cache(lambda i: lengths(self._item(i)))
             return lambda indices: [of_item(i) for i in indices.tolist()]
@@ -73,17 +68,10 @@ class DistributedDataContainer:
             raise ValueError(f"{self._label}: lengths must give one number per item ({self._n}), got shape {table.shape}")
         return lambda indices: table[indices]
 
-    @property
-    def is_stream(self) -> bool:
-        """True for an iterable of unknown length (no ``len``, no indexing, no shuffling)."""
-        return self._n is None
-
     def __len__(self):
-        self._check_sized("len()")
         return len(self.indices)
 
     def __getitem__(self, i):
-        self._check_sized("indexing")
         i = operator.index(i)
         if not -len(self) <= i < len(self):
             raise IndexError(f"{self._label}: index {i} is out of range for this rank's {len(self)} items")
@@ -96,10 +84,8 @@ class DistributedDataContainer:
         return self.data[j]
 
     def __iter__(self):
-        """This rank's items in order. A stream yields items rank, rank + P, ...: the counts
-        may differ by one across ranks; use ``batches`` for equal steps."""
-        if self.is_stream:
-            return itertools.islice(iter(self.data), self.rank, None, self.world_size)
+        """This rank's items in order (the counts may differ by one across ranks; ``batches``
+        gives every rank the same number of steps)."""
         return (self[i] for i in range(len(self)))
 
     def set_epoch(self, epoch: int):
@@ -108,8 +94,7 @@ class DistributedDataContainer:
         self.epoch = operator.index(epoch)
 
     def num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
-        """Batches per epoch, the same on every rank (sized data only)."""
-        self._check_sized("num_batches")
+        """Batches per epoch, the same on every rank."""
         return batch_count(self._n, self.world_size, self._batch_size(batch_size), drop_last)
 
     def state_dict(self) -> dict:
@@ -166,13 +151,12 @@ class DistributedDataContainer:
         batches, of the same sizes, and all must pass the same arguments (else ValueError on
         every rank: different step counts would deadlock).
 
-        - Sized data (``partition.epoch_indices``): each rank visits ``ceil(N / P)`` items (a
-          rank one short repeats one); with ``drop_last`` every batch is full and none repeats.
+        - ``partition.epoch_indices``: each rank visits ``ceil(N / P)`` items (a rank one short
+          repeats one); with ``drop_last`` every batch is full and none repeats.
         - ``shuffle``: one permutation from ``(seed, epoch)``, the same on every rank; ``epoch``
           defaults to ``set_epoch``'s (or ``load_state_dict``'s). ``start`` skips batches; by
           default, after ``load_state_dict``, those done (at another world size or batch size
           the items not yet visited are sharded anew).
-        - A stream: one ``allreduce(min)`` a batch; the epoch ends where a rank runs short.
         - ``exactly_once`` (evaluation): every item once across the ranks, as ``(batch,
           mask)``: each shard is filled up to the same number of batches with repeats of its
           first item, whose ``mask`` (float32) is 0.
@@ -186,21 +170,13 @@ class DistributedDataContainer:
         check_same(self.backend, f"{self._label}: batches()", dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
                    epoch=epoch, drop_last=drop_last, exactly_once=exactly_once, auto_share=share == "auto"))  # fmt: skip
         if share is not None:
-            self._check_sized("share=")
             batch_size = self._agreed_sizes(batch_size, share)
         before, skip = self._resumed_parts(epoch, batch_size)
         start = skip if start is None else operator.index(start)
         check_same(self.backend, f"{self._label}: batches()", {"start": start})
-        if exactly_once and (self.is_stream or drop_last or before):
-            why = ("a stream's length is unknown" if self.is_stream else "drop_last skips items" if drop_last
-                   else "the epoch was begun at another world size or batch size")  # fmt: skip
+        if exactly_once and (drop_last or before):
+            why = "drop_last skips items" if drop_last else "the epoch was begun at another world size or batch size"
             raise ValueError(f"{self._label}: exactly_once cannot visit every item once here: {why}")
-        if self.is_stream:
-            if shuffle:
-                raise ValueError(f"{self._label}: cannot shuffle a stream (data of unknown length)")
-            skipped = sum(p * b * k for p, b, k in before)  # a stream's first items went to the parts before
-            return self._counted(epoch, before, batch_size, start,
-                                 self._stream_batches(batch_size, drop_last, skipped, start))  # fmt: skip
         order = dict(shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last)
         return self._sized_batches(order, before, batch_size, start, share == "auto", exactly_once)
 
@@ -273,19 +249,6 @@ class DistributedDataContainer:
             yield batch
         self.epoch, self._before, self._part = epoch + 1, [], (self.world_size, batch_size, 0)
 
-    def _stream_batches(self, batch_size, drop_last, skipped, start):
-        items = itertools.islice(iter(self.data), skipped + self.rank, None, self.world_size)
-        for _ in itertools.islice(items, start * batch_size):  # skipped locally: a rank that
-            pass  # runs dry here brings 0 to the first allreduce below, which stops every rank
-        while True:
-            chunk = list(itertools.islice(items, batch_size))
-            k = allreduce(self.backend, len(chunk), "min")
-            if k == 0 or (k < batch_size and drop_last):
-                return
-            yield self.collate(chunk[:k]) if self.collate else _stack(chunk[:k])
-            if k < batch_size:
-                return
-
     def _fetch(self, idx):
         """The batch of global indices ``idx`` (a numpy int array): stacked, or collated."""
         if self.collate is not None:
@@ -303,23 +266,19 @@ class DistributedDataContainer:
             raise ValueError(f"{self._label}: batch_size must be at least 1, got {batch_size}")
         return int(batch_size)
 
-    def _check_sized(self, what):
-        if self.is_stream:
-            raise TypeError(f"{self._label}: {what} needs sized data; this is a stream of unknown length")
-
     @property
     def _label(self):
         return f"DistributedDataContainer on rank {self.rank}"
 
     def __repr__(self):
-        share = "a stream" if self.is_stream else f"items {self.indices.start}..{self.indices.stop - 1} of {self._n}"
-        return f"DistributedDataContainer(rank={self.rank}, world_size={self.world_size}, {share})"
+        return (f"DistributedDataContainer(rank={self.rank}, world_size={self.world_size}, "
+                f"items {self.indices.start}..{self.indices.stop - 1} of {self._n})")
 
 
 def _columns_and_length(data, where):
     """``(columns, n)``: ``data`` itself when it is a tuple or dict of columns, indexed together
-    (``(x, y)[i]`` is ``(x[i], y[i])``), else None; and the number of items, None for a stream.
-    Errors for empty, unindexable or mismatched data."""
+    (``(x, y)[i]`` is ``(x[i], y[i])``), else None; and the number of items. Errors for empty,
+    unindexable or mismatched data."""
     columns = data if isinstance(data, (tuple, dict)) else None
     if columns is not None:
         if not data:
@@ -337,11 +296,9 @@ def _columns_and_length(data, where):
                                  "needs the same length (first axis)")  # fmt: skip
     elif _indexable(data):
         n = _len(data, where)
-    elif hasattr(data, "__len__") or not hasattr(data, "__iter__"):
-        raise TypeError(f"{where}: cannot index a {type(data).__name__}; pass a sequence, a numpy or mx array, "
-                        "a tuple or dict of arrays, a datasets.Dataset, or an iterable of unknown length")  # fmt: skip
     else:
-        return None, None
+        raise TypeError(f"{where}: cannot index a {type(data).__name__}; pass a sequence (an iterator: list() it "
+                        "first), a numpy or mx array, a tuple or dict of arrays, or a datasets.Dataset")  # fmt: skip
     if n == 0:
         raise ValueError(f"{where}: data is empty (0 items)")
     return columns, n
