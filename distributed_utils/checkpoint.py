@@ -7,9 +7,9 @@ With the same data order, training continues bit for bit as if it had never stop
 """
 
 import glob
+import io
 import json
 import os
-import struct
 import time
 import warnings
 import zlib
@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .arrays import UINT_BY_SIZE, show, to_mx
+from .arrays import MX_DTYPES, UINT_BY_SIZE, show, signature, to_mx
 from .collectives import allgather, bcast, check_backend, root_runs
 from .synchronize import has_state, synchronize
 from .tree import describe
@@ -29,14 +29,6 @@ FORMAT = "distributed_utils.checkpoint/1"
 #: not a stall, and the watchdog still catches a rank 0 that stopped.
 HEARTBEAT_SECONDS = 1.0
 _PIECE_BYTES = 64 * 2**20  # written between heartbeats; fsync every 4 pieces
-
-# safetensors dtype names
-_CODES = {
-    mx.bool_: "BOOL", mx.uint8: "U8", mx.uint16: "U16", mx.uint32: "U32", mx.uint64: "U64",
-    mx.int8: "I8", mx.int16: "I16", mx.int32: "I32", mx.int64: "I64", mx.float16: "F16",
-    mx.bfloat16: "BF16", mx.float32: "F32", mx.float64: "F64", mx.complex64: "C64",
-}  # fmt: skip
-_DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 
 class CheckpointError(RuntimeError):
@@ -87,35 +79,29 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
 
 
 def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None):
-    """Collective: rank 0 writes ``arrays`` to ``path`` atomically, with heartbeats, then runs
-    ``then()``; every rank returns once that is done, or raises CheckpointError with rank 0's error."""
-    writing = _write_atomically(path, arrays, meta_json) if backend.rank == 0 else None
+    """Collective: rank 0 writes ``arrays`` to ``path`` atomically, then runs ``then()``; every
+    rank returns once that is done, or raises CheckpointError with rank 0's error. While rank 0
+    writes, it sends every rank a heartbeat (1) at most every HEARTBEAT_SECONDS, then a last 0."""
     if backend.rank != 0:
-        _with_heartbeats(backend, None)  # until rank 0's last word
+        while bcast(backend, np.array([0]), 0)[0]:
+            pass
+    last = time.monotonic()
+
+    def heartbeat():
+        nonlocal last
+        if time.monotonic() - last > HEARTBEAT_SECONDS:
+            bcast(backend, np.array([1]), 0)
+            last = time.monotonic()
 
     def write():
-        _with_heartbeats(backend, writing)
+        try:
+            _write_atomically(path, arrays, meta_json, heartbeat)
+        finally:
+            bcast(backend, np.array([0]), 0)
         if then is not None:
             then()
 
     root_runs(backend, write, 0, CheckpointError, f"write {path}")
-
-
-def _with_heartbeats(backend, pieces):
-    """Collective: rank 0 runs the generator ``pieces`` and, while it runs, sends every rank a
-    heartbeat every HEARTBEAT_SECONDS; the others (``pieces`` None) wait for its last word."""
-    if pieces is None:
-        while bcast(backend, np.array([0]), 0)[0]:
-            pass
-        return
-    last = time.monotonic()
-    try:
-        for _ in pieces:
-            if time.monotonic() - last > HEARTBEAT_SECONDS:
-                bcast(backend, np.array([1]), 0)
-                last = time.monotonic()
-    finally:
-        bcast(backend, np.array([0]), 0)
 
 
 def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
@@ -129,23 +115,26 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     that is damaged or incomplete, or does not fit ``model`` or ``optimizer``.
     """
     check_backend(backend)
-    path, header = root_runs(backend, lambda: _find_and_read(Path(path)), 0, CheckpointError, f"read {path}")
-    if header is None:
+    read = {}  # rank 0's arrays
+
+    def find_and_read():
+        found, read["arrays"], meta = _find_and_read(Path(path))
+        return found, meta, None if meta is None else {k: signature(a) for k, a in read["arrays"].items()}
+
+    path, meta, saved = root_runs(backend, find_and_read, 0, CheckpointError, f"read {path}")
+    if meta is None:
         return None
-    meta, entries = header
     if optimizer is not None and meta["optimizer"] != _optimizer_name(optimizer):
         raise CheckpointError(
             f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a {_optimizer_name(optimizer)}"
         )
     if model is not None:
-        _check_fits(path, "model", entries, model.trainable_parameters() if meta.get("trainable_only") else model.parameters())
+        _check_fits(path, "model", saved, model.trainable_parameters() if meta.get("trainable_only") else model.parameters())
     if optimizer is not None:  # an initialized one: its state's shapes are known
-        _check_fits(path, "optimizer", entries, _whole_state(optimizer) if has_state(optimizer) else None)
-    if backend.rank == 0:
-        arrays = _read_arrays(Path(path), entries)
-    else:
-        arrays = {k: mx.zeros(shape, _DTYPES[code]) for k, (code, shape, _) in entries.items()}
-    arrays = synchronize(backend, arrays, root=0)
+        _check_fits(path, "optimizer", saved, _whole_state(optimizer) if has_state(optimizer) else None)
+    if backend.rank != 0:
+        read["arrays"] = {k: mx.zeros(shape, MX_DTYPES[dtype]) for k, (dtype, shape) in saved.items()}
+    arrays = synchronize(backend, read["arrays"], root=0)
     mx.eval(arrays)
     if model is not None:
         model.update(tree_unflatten(_section(arrays, "model")))
@@ -183,30 +172,26 @@ def _section(arrays, section) -> list:
     return [(k[len(prefix) :], v) for k, v in arrays.items() if k.startswith(prefix)]
 
 
-def _write_atomically(path: Path, arrays: dict, meta_json: str):
-    """A generator that writes ``path`` and yields between pieces: a temporary file in the same
-    directory, fsync, rename over ``path``, fsync of the directory. On failure the temporary
-    file is removed."""
+def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat):
+    """Write ``arrays`` to ``path`` with MLX's safetensors writer, the CRC-32 of each array's
+    bytes in the metadata (float64, which it lacks, as its bits): a temporary file in the same
+    directory, fsync, rename over ``path``, fsync of the directory. ``heartbeat()`` runs after
+    each array's checksum and each piece written. On failure the temporary file is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in glob.glob(str(path.parent / f".{path.name}.tmp-*")):  # left by a killed job
         os.remove(stale)
+    doubles = [key for key, a in arrays.items() if a.dtype == mx.float64]
+    arrays = {key: a.view(mx.uint64) if key in doubles else a for key, a in arrays.items()}
     mx.eval(list(arrays.values()))
-    buffers, header, offset, crcs = [], {}, 0, {}
+    crcs = {}
     for key, a in arrays.items():
-        raw = np.asarray(a.reshape(-1).view(UINT_BY_SIZE[a.dtype.size]) if a.size else mx.zeros(0, mx.uint8))
-        header[key] = {"dtype": _CODES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + raw.nbytes]}
-        buffers.append(raw)
-        offset += raw.nbytes
-        crcs[key] = zlib.crc32(raw)
-        yield
-    header["__metadata__"] = {"distributed_utils": meta_json, "crc32": json.dumps(crcs)}
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)  # safetensors aligns the data to 8 bytes
-    buffers.insert(0, np.frombuffer(struct.pack("<Q", len(head)) + head, np.uint8))
+        crcs[key] = zlib.crc32(_raw(a))
+        heartbeat()
+    metadata = {"distributed_utils": meta_json, "crc32": json.dumps(crcs), "float64": json.dumps(doubles)}
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            yield from _write_buffers(f, buffers)
+            mx.save_safetensors(_Pieces(f, heartbeat), arrays, metadata)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -220,16 +205,34 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str):
         os.close(dir_fd)
 
 
-def _write_buffers(f, buffers):
-    """Write ``buffers`` to ``f`` in pieces, yielding after each (fsync every 4 pieces, so
-    that the last fsync stays short)."""
-    pieces = [memoryview(b).cast("B")[i : i + _PIECE_BYTES] for b in buffers for i in range(0, b.nbytes, _PIECE_BYTES)]
-    for count, piece in enumerate(pieces, 1):
-        f.write(piece)
-        if count % 4 == 0:
-            f.flush()
-            os.fsync(f.fileno())
-        yield
+class _Pieces(io.RawIOBase):
+    """The file as MLX's writer sees it: each write goes out in pieces of ``_PIECE_BYTES``,
+    ``heartbeat()`` after each, fsync after every 4 (so that the last fsync stays short)."""
+
+    def __init__(self, f, heartbeat):
+        self.f, self.heartbeat, self.count = f, heartbeat, 0
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _PIECE_BYTES):
+            self.piece(view[start : start + _PIECE_BYTES])
+        return len(view)
+
+    def piece(self, data):
+        self.f.write(data)
+        self.count += 1
+        if self.count % 4 == 0:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+        self.heartbeat()
+
+
+def _raw(a: mx.array) -> np.ndarray:
+    """``a``'s bytes, as a numpy view."""
+    return np.asarray(a.reshape(-1).view(UINT_BY_SIZE[a.dtype.size]) if a.size else mx.zeros(0, mx.uint8))
 
 
 _STEP_PREFIX = "step-"
@@ -241,89 +244,60 @@ def _checkpoints_in(folder: Path) -> list:
 
 
 def _find_and_read(path: Path):
-    """The checkpoint at ``path`` and its header (None when there is none), its checksums
-    verified; when ``path`` is a directory of them, the newest intact one (warning of those
-    skipped)."""
+    """``(path, arrays, meta)`` of the checkpoint at ``path``, its checksums verified (arrays
+    and meta None when there is none); when ``path`` is a directory of them, the newest intact
+    one (warning of those skipped)."""
     if not path.is_dir():
-        return path, _verified_header(path)
+        return path, *_verified(path)
     errors = []
     for candidate in reversed(_checkpoints_in(path)):
         try:
-            header = _verified_header(candidate)
+            arrays, meta = _verified(candidate)
         except CheckpointError as e:
             errors.append(str(e))
             continue
         if errors:
             warnings.warn(f"skipped {len(errors)} newer damaged checkpoints, loading {candidate}: {'; '.join(errors)}")
-        return candidate, header
+        return candidate, arrays, meta
     if errors:
         raise CheckpointError(f"no intact checkpoint in {path}: {'; '.join(errors)}")
-    return path, None
+    return path, None, None
 
 
-def _verified_header(path: Path):
-    """``(meta, {key: (dtype code, shape, (start, end))})``, or None when there is no file; a
-    CheckpointError naming what is wrong for a file that is not a complete checkpoint, or
-    whose arrays' bytes do not match the checksums saved with them."""
+def _verified(path: Path):
+    """``(arrays, meta)`` read from ``path`` (None, None when there is no file); a
+    CheckpointError naming what is wrong for a file that is not a complete checkpoint, or whose
+    arrays' bytes do not match the checksums saved with them."""
     if not path.exists():
-        return None
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0] if size >= 8 else None
-        if n is None or 8 + n > size:
-            raise CheckpointError(f"{path} is not a complete checkpoint (truncated header)")
-        try:
-            header = json.loads(f.read(n))
-            saved = header.pop("__metadata__")
-            meta = json.loads(saved["distributed_utils"])
-            crcs = json.loads(saved["crc32"]) if "crc32" in saved else None
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise CheckpointError(f"{path} is not a distributed_utils checkpoint (no metadata)") from None
+        return None, None
+    try:
+        arrays, saved = mx.load(str(path), format="safetensors", return_metadata=True)
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{path} is incomplete or corrupt: {e}") from None
+    try:
+        meta = json.loads(saved["distributed_utils"])
+        crcs = json.loads(saved["crc32"]) if "crc32" in saved else None
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path} is not a distributed_utils checkpoint (no metadata)") from None
     missing = {"format", "step", "extra", "world_size", "data", "optimizer"} - set(meta)
     if meta.get("format") != FORMAT or missing:
         raise CheckpointError(f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r}, "
                               f"missing {sorted(missing)})")  # fmt: skip
-    entries = {}
-    for key, v in header.items():
-        try:
-            code, shape, (start, end) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
-            nbytes = _DTYPES[code].size * int(np.prod(shape))
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: the header entry of '{key}' is corrupt: {v!r}") from None
-        if not (0 <= start and end - start == nbytes and 8 + n + end <= size):
-            raise CheckpointError(
-                f"{path} is not a complete checkpoint: '{key}' ({code} {list(shape)}, {nbytes} bytes) "
-                f"has data_offsets {[start, end]} in a file of {size} bytes"
-            )
-        entries[key] = (code, shape, (start, end))
     if crcs is None:
         warnings.warn(f"{path} was written without checksums (by an older version): loaded unverified")
-        return meta, entries
-    data = _data(path)
-    for key, (_, _, (a, b)) in entries.items():
-        if zlib.crc32(data[a:b]) != crcs.get(key):
+    for key, a in arrays.items():
+        if crcs is not None and zlib.crc32(_raw(a)) != crcs.get(key):
             raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
-    return meta, entries
+    for key in json.loads(saved.get("float64", "[]")):
+        arrays[key] = arrays[key].view(mx.float64)
+    return arrays, meta
 
 
-def _data(path: Path) -> np.ndarray:
-    """The bytes after a safetensors file's header, mapped (not read)."""
-    blob = np.memmap(path, np.uint8, mode="r")
-    return blob[8 + struct.unpack("<Q", blob[:8].tobytes())[0] :]
-
-
-def _read_arrays(path: Path, entries) -> dict:
-    data = _data(path)
-    return {key: mx.array(data[a:b].view(np.dtype(f"<u{_DTYPES[code].size}"))).view(_DTYPES[code]).reshape(shape)
-            for key, (code, shape, (a, b)) in entries.items()}  # fmt: skip
-
-
-def _check_fits(path, section, entries, tree):
-    """Raise (on every rank alike: ``entries`` came from rank 0) unless the checkpoint holds
-    ``section`` with the keys, dtypes and shapes of ``tree`` (None: any)."""
+def _check_fits(path, section, saved, tree):
+    """Raise (on every rank alike: ``saved``, the signature of each array, came from rank 0)
+    unless the checkpoint holds ``section`` with the keys, dtypes and shapes of ``tree`` (None: any)."""
     prefix = section + "."
-    saved = {k[len(prefix) :]: (str(_DTYPES[code]).removeprefix("mlx.core."), shape)
-             for k, (code, shape, _) in entries.items() if k.startswith(prefix)}  # fmt: skip
+    saved = {k[len(prefix) :]: sig for k, sig in saved.items() if k.startswith(prefix)}
     if not saved:
         raise CheckpointError(f"load_checkpoint: {path} holds no {section} (it was saved without {section}=)")
     have = saved if tree is None else dict(describe(tree))

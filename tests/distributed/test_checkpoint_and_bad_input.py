@@ -94,7 +94,7 @@ BAD_INPUT = [
     ("empty data", lambda b, t: du.DistributedDataContainer(b, []), False, ValueError, "data is empty"),
     ("a checkpoint of another model", checkpoint_then_load_other_model, False, du.CheckpointError,
      "does not fit the model: at 'weight'"),
-    ("a truncated checkpoint", load_truncated, False, du.CheckpointError, "is not a complete checkpoint"),
+    ("a truncated checkpoint", load_truncated, False, du.CheckpointError, "ck is incomplete or corrupt"),
     ("a flipped bit in a checkpoint", load_a_flipped_byte, False, du.CheckpointError,
      "ck is damaged: the bytes of 'model.weight' do not match their checksum"),
     ("a checkpoint value that is not JSON", lambda b, t: du.save_checkpoint(b, t / "ck", extra={1j}), False,
@@ -162,7 +162,7 @@ def test_the_watchdog_numbers_and_describes_collectives(backend):
     assert watchdog._state.seq == start + 2 and watchdog._state.done == start + 2
     assert not watchdog._state.inflight
     def report(what, details, arrays):
-        return watchdog.Call(what, details, arrays).report()
+        return watchdog.Collective(0, what, details, arrays).report()
 
     assert report("allreduce", ("avg",), mx.ones((4, 2), mx.bfloat16)) == "allreduce(avg) bfloat16(4, 2)"
     assert report("bcast", ("root=1",), np.zeros(3, np.int64)) == "bcast(root=1) int64(3,)"

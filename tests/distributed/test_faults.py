@@ -110,10 +110,10 @@ def _drop_world_size(header):
 
 
 CORRUPT = [
-    ("an unknown dtype", lambda h: h["model.weight"].__setitem__("dtype", "X9"), "header entry of 'model.weight' is corrupt"),
+    ("an unknown dtype", lambda h: h["model.weight"].__setitem__("dtype", "X9"), "ck is incomplete or corrupt: [safetensor] unsupported dtype X9"),
     ("metadata missing", _drop_world_size, "missing ['world_size']"),
     ("offsets shorter than the shape", lambda h: h["model.bias"].__setitem__("data_offsets", [0, 4]),
-     "is not a complete checkpoint: 'model.bias'"),
+     "ck is incomplete or corrupt: [load_safetensors] Tensor 'model.bias' invalid data offsets"),
     ("optimizer state of another shape", lambda h: h["optimizer.weight.m"].__setitem__("shape", [16, 64]),
      "does not fit the optimizer: at 'weight.m'"),
 ]  # fmt: skip
