@@ -44,7 +44,7 @@ def main():
     else:
         raw = {"allreduce": lambda: mx.eval(mx.distributed.all_sum(m, group=backend.group, stream=mx.cpu))}
     def watched():
-        with watchdog.Collective(backend.rank, watchdog.Call("allreduce", ("sum",), m)):
+        with watchdog.Collective(backend.rank, "allreduce", ("sum",), m):
             raw["allreduce"]()
 
     rows = {

@@ -21,12 +21,9 @@ from .backends import AbstractBackend
 #: Lux's ``DistributedUtils.avg``: the averaging reduction op.
 avg = "avg"
 
-_OPS = {
-    "sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "prod",
-    operator.add: "sum", operator.mul: "prod", max: "max", min: "min",
-    np.add: "sum", np.multiply: "prod", np.maximum: "max", np.minimum: "min",
-    mx.add: "sum", mx.multiply: "prod", mx.maximum: "max", mx.minimum: "min",
-}  # fmt: skip
+_OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "prod",
+        operator.add: "sum", operator.mul: "prod", max: "max", min: "min"}  # fmt: skip
+_BOOLS = {mx.bool_, np.dtype(bool)}
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -52,7 +49,7 @@ def allreduce(backend, x, op):
     check_backend(backend)
     arr, back = _as_mx(x) if isinstance(x, mx.array) else _as_numpy(x)
     _check_op_dtype(op, arr.dtype)
-    bools, nan_wins = arr.dtype in (np.bool_, mx.bool_), op in ("max", "min") and is_floating(arr.dtype)
+    bools, nan_wins = arr.dtype in _BOOLS, op in ("max", "min") and is_floating(arr.dtype)
     if isinstance(arr, np.ndarray) and not (backend.host_buffers and not (bools or nan_wins)):
         arr = to_mx(arr)  # (else it stays in numpy, and no MLX array is made: MPI on host memory)
     if bools:  # as bytes: MPI aborts on bools
@@ -159,29 +156,17 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     the result evaluated inside the watched region (not with ``wait=False``: ``start_sum``).
     While MLX traces a function nothing is evaluated, and debug mode does not check (ranks may
     trace at different times)."""
-    for finish in list(_started):
+    for finish in list(_started) if _started else ():
         finish()
-    tracing = not evaluate(arrays)
-    with watchdog.Collective(backend.rank, watchdog.Call(what, details, arrays)) as call:
-        if call is not None and not tracing and backend.size > 1 and watchdog.debug():
-            _check_same_call(backend, call)
+    tracing = not (isinstance(arrays, np.ndarray) or evaluate(arrays))  # (numpy needs no evaluation)
+    with watchdog.Collective(backend.rank, what, details, arrays) as call:
+        if call is not None and backend.size > 1 and not tracing and watchdog.debug():  # nested: part of this one
+            check_same(backend, "ranks issued different collectives (DU_DEBUG)", {"collective": call.key()},
+                       CollectiveMismatchError)  # fmt: skip
         out = primitive(arrays)
-        if wait:
+        if wait and not isinstance(out, np.ndarray):
             evaluate(out)
     return out
-
-
-def _check_same_call(backend, call):
-    """Debug mode: raise CollectiveMismatchError on every rank unless every rank issues the
-    same collective (sequence number, op, dtypes and shapes) now."""
-    everyone = _allgather_object(backend, call.key())  # nested: part of this collective
-    if all(k == everyone[0] for k in everyone):
-        return
-    groups = {}
-    for rank, k in enumerate(everyone):
-        groups.setdefault(k, []).append(rank)
-    calls = "; ".join(f"ranks {ranks} call {k}" for k, ranks in groups.items())
-    raise CollectiveMismatchError(f"ranks issued different collectives (DU_DEBUG): {calls}")
 
 
 def _bytes_for_bool(primitive, a, *args):
@@ -268,16 +253,17 @@ def root_runs(backend, fn, root, error_type, doing: str):
     return result
 
 
-def check_same(backend, who: str, values: dict):
-    """Collective: raise ValueError on every rank, naming each rank's value, unless every rank
+def check_same(backend, who: str, values: dict, error=ValueError):
+    """Collective: raise ``error`` on every rank, naming each rank's value, unless every rank
     passes the same ``values`` (by repr): settings that decide which collectives a rank makes,
-    where a difference would leave ranks waiting for each other until the watchdog ends the job."""
+    where a difference would leave ranks waiting for each other until the watchdog ends the
+    job; in debug mode, every collective's ``Collective.key()``."""
     everyone = _allgather_object(backend, {name: repr(v) for name, v in values.items()})
     for name in values:
         differ = [r for r, theirs in enumerate(everyone) if theirs[name] != everyone[0][name]]
         if differ:
             shown = ", ".join(f"rank {r}: {theirs[name]}" for r, theirs in enumerate(everyone))
-            raise ValueError(f"{who}: every rank needs the same {name}; ranks {differ} differ from rank 0 ({shown})")
+            raise error(f"{who}: every rank needs the same {name}; ranks {differ} differ from rank 0 ({shown})")
 
 
 # --- arguments -------------------------------------------------------------------------

@@ -8,12 +8,10 @@ seconds (for the other ranks to report theirs) the process ends with ``EXIT_CODE
 """
 
 import contextlib
-import itertools
 import os
 import sys
 import threading
 import time
-
 
 from .arrays import show, signature
 from .backends.environment import launched_rank, report_path
@@ -28,13 +26,12 @@ class _State:
     timeout = debug = None  # None: not configured yet (read the environment)
     rank = thread = parent = None  # parent: the launcher's pid, to exit with it
     seq = done = 0  # the last collective's sequence number on this rank, and the last that finished
+    depth = 0  # 1 inside a collective: the collectives it makes itself are part of it
     waited = 0.0  # seconds spent in collectives
 
     def __init__(self):
         self.lock = threading.Lock()  # for starting the thread
-        self.inflight = {}  # id(entry) -> entry; one C-level dict operation at a time (GIL)
-        self.counter = itertools.count(1)
-        self.local = threading.local()  # .depth: collectives nested in the current one
+        self.inflight = {}  # the regions in flight (as keys); one C-level dict operation at a time (GIL)
         self.stopped = []  # (from, to): when this process did not run
 
 
@@ -66,13 +63,34 @@ def debug() -> bool:
     return _state.debug
 
 
-class Call:
-    """One collective as the reports show it: ``what`` ("allreduce"), its ``details`` ("sum",
-    "root=1") and its arrays (None, an array, or a list of them), shown by signature only when
-    a report or the debug check asks (a signature costs microseconds; most calls need none)."""
+class Collective:
+    """``with Collective(rank, what, details, arrays) as call``: watch one collective of this rank.
+    ``what`` ("allreduce"), its ``details`` ("sum", "root=1") and its arrays (None, an array or
+    a list of them) are shown by signature only when a report or the debug check asks (a
+    signature costs microseconds; most calls need none). ``call`` comes with its sequence
+    number, or as None when nested in another collective (and part of it)."""
 
-    def __init__(self, what, details, arrays):
-        self.seq, self.what, self.details, self.arrays = 0, what, details, arrays
+    start = None  # when it began, once registered
+
+    def __init__(self, rank: int, what: str, details=(), arrays=None):
+        self.rank, self.what, self.details, self.arrays, self.seq = rank, what, details, arrays, 0
+
+    def __enter__(self):
+        if _state.depth:
+            return None
+        if _state.timeout is None:
+            configure()
+        _state.depth, _state.rank, self.timeout = 1, self.rank, _state.timeout
+        self.seq = _state.seq = _state.seq + 1
+        _register(self)
+        return self
+
+    def __exit__(self, *exception):
+        if self.start is not None:
+            _state.depth = 0
+            del _state.inflight[self]
+            _state.waited += time.monotonic() - self.start
+            _state.done = self.seq
 
     def report(self) -> str:
         """``allreduce(sum) float32(1024,)``: what the watchdog prints."""
@@ -90,29 +108,11 @@ class Call:
         return f"#{self.seq} {self.what}({', '.join(shown + list(self.details))})"
 
 
-class Collective:
-    """``with Collective(rank, call) as call``: watch one collective of this rank; ``call`` comes
-    with its sequence number, or as None when nested in another collective (and part of it).
-    (A class: a generator's context manager costs a microsecond more, at every collective.)"""
+class _Region:
+    """A region of ``watch``."""
 
-    def __init__(self, rank: int, call: Call):
-        self.rank, self.call, self.entry = rank, call, None
-
-    def __enter__(self):
-        if getattr(_state.local, "depth", 0):
-            return None
-        configure()
-        self.call.seq = _state.seq = next(_state.counter)
-        _state.rank, _state.local.depth = self.rank, 1
-        self.entry = _register(self.call, self.rank, _state.timeout)
-        return self.call
-
-    def __exit__(self, *exception):
-        if self.entry is not None:
-            _state.local.depth = 0
-            _state.inflight.pop(id(self.entry), None)
-            _state.waited += time.monotonic() - self.entry.start
-            _state.done = max(_state.done, self.call.seq)
+    def __init__(self, what, rank, timeout):
+        self.what, self.rank, self.timeout = what, rank, timeout
 
 
 def waited() -> float:
@@ -132,11 +132,11 @@ def watch(what: str, timeout=None):
             mx.eval(loss, model.parameters(), opt.state)
     """
     configure()
-    entry = _register(what, _state.rank, _state.timeout if timeout is None else float(timeout))
+    region = _register(_Region(what, _state.rank, _state.timeout if timeout is None else float(timeout)))
     try:
         yield
     finally:
-        _state.inflight.pop(id(entry), None)
+        _state.inflight.pop(region, None)
 
 
 @contextlib.contextmanager
@@ -162,21 +162,15 @@ def connecting(what: str):
             faulthandler.cancel_dump_traceback_later()
 
 
-class _Entry:
-    def __init__(self, what, rank, timeout):
-        self.what, self.rank, self.timeout, self.start = what, rank, timeout, time.monotonic()
-
-
-def _register(what, rank, limit):
-    entry = _Entry(what, rank, limit)
-    _state.inflight[id(entry)] = entry
-    _start_thread()
-    return entry
+def _register(region):
+    region.start = time.monotonic()
+    _state.inflight[region] = None
+    if _state.thread is None:  # (started: no lock to take at every collective)
+        _start_thread()
+    return region
 
 
 def _start_thread():
-    if _state.thread is not None:  # (started: no lock to take at every collective)
-        return
     with _state.lock:
         if _state.thread is None:
             _state.thread = threading.Thread(target=_watch_loop, name="du-watchdog", daemon=True)
@@ -201,7 +195,7 @@ def _watch_loop():
         if now - last > max(1.0, 8 * _POLL):  # this process did not run (SIGSTOP, a frozen VM):
             _state.stopped.append((last, now))  # its own waits are not the others' fault
         last = now
-        entries = list(_state.inflight.copy().values())
+        entries = list(_state.inflight.copy())
         if any(e.timeout and now - e.start > e.timeout for e in entries):
             _expire(sorted(entries, key=lambda e: e.start))
 
@@ -210,7 +204,7 @@ def _expire(entries):
     now = time.monotonic()
     for e in entries:
         rank = launched_rank() if e.rank is None else e.rank
-        name = f"collective #{e.what.seq} {e.what.report()}" if isinstance(e.what, Call) else f"'{e.what}'"
+        name = f"collective #{e.seq} {e.report()}" if isinstance(e, Collective) else f"'{e.what}'"
         since = time.strftime("%H:%M:%S", time.localtime(time.time() - (now - e.start)))
         stopped = sum(min(b, now) - max(a, e.start) for a, b in _state.stopped if b > e.start)
         _say(

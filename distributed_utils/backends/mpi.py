@@ -12,7 +12,7 @@ PIECE_BYTES = 4 * 2**20
 #: Results up to this size are received into numpy and copied (see ``_received``).
 SMALL_BYTES = 64 * 2**10
 
-_NARROW_FLOATS = (mx.float16, mx.bfloat16)  # no MPI type: reduced in float32, rounded once
+_NARROW_FLOATS = {mx.float16, mx.bfloat16}  # no MPI type: reduced in float32, rounded once
 
 
 class MPIBackend(AbstractBackend):
@@ -45,7 +45,7 @@ class MPIBackend(AbstractBackend):
     def _while_tracing(self, arrays):
         """The backend for ``arrays``: None when they can be evaluated (this one runs), else
         MLX's MPI backend on the same processes (MLX is tracing a function)."""
-        if evaluate(arrays):
+        if (arrays and isinstance(arrays[0], np.ndarray)) or evaluate(arrays):  # (numpy: host_buffers)
             return None
         if self._traced is None:
             from .mlx import MLXMPIBackend
@@ -78,22 +78,25 @@ class MPIBackend(AbstractBackend):
             else:
                 w = a.astype(mx.float32) if a.dtype in _NARROW_FLOATS else a
                 view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
-                if view is None and w.size:
-                    w = to_mx(contiguous_numpy(w))  # a copy to reduce in
+                if view is None and w.size and w.nbytes <= SMALL_BYTES:  # a copy to reduce in (see _received)
+                    w = view = np.array(contiguous_numpy(w))
+                elif view is None and w.size:
+                    w = to_mx(contiguous_numpy(w))
                     view = own_memory(w)
             work.append(w)
             views.append(view)
         for view in views:
-            if view is not None:
-                flat = view.reshape(-1)
-                step = max(1, PIECE_BYTES // flat.itemsize)
+            if view is not None and view.nbytes <= PIECE_BYTES:
+                self.comm.Allreduce(self._MPI.IN_PLACE, view, op=self._ops[op])
+            elif view is not None:
+                flat, step = view.reshape(-1), PIECE_BYTES // view.itemsize
                 for start in range(0, flat.size, step):
                     self.comm.Allreduce(self._MPI.IN_PLACE, flat[start : start + step], op=self._ops[op])
         if scale != 1.0:  # after all the sums: scaling between them would skew the ranks
             for view in views:
                 if view is not None:
                     np.multiply(view, scale, out=view, casting="unsafe")
-        return [w if w.dtype == a.dtype else w.astype(a.dtype) for w, a in zip(work, arrays)]
+        return [_like(w, a) for w, a in zip(work, arrays)]
 
     def bcast(self, x, root):
         if traced := self._while_tracing([x]):
@@ -126,6 +129,13 @@ def _received(shape, dtype, receive) -> mx.array:
     out = mx.zeros(shape, MX_BY_NUMPY[dtype])
     receive(_bytes(own_memory(out)))
     return out
+
+
+def _like(result, a):
+    """``result`` (numpy or mx) as ``a``'s kind and dtype."""
+    if isinstance(result, np.ndarray) and isinstance(a, mx.array):
+        result = to_mx(result)
+    return result if result.dtype == a.dtype else result.astype(a.dtype)
 
 
 def _unshared(view, taken):
