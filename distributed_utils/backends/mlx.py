@@ -54,22 +54,22 @@ class MLXBackend(AbstractBackend):
             return a
         if op == "prod":
             return mx.prod(self.allgather(a[None]), axis=0).astype(a.dtype)
-        return _REDUCE[op](a.reshape(-1), group=self.group, stream=self.stream).reshape(a.shape)
+        return _REDUCE[op](a, group=self.group, stream=self.stream)
 
     def start_sum(self, arrays, scale=1.0):
         # On a stream of its own, so that the rank's work on the default stream goes on meanwhile
         # (measured over a 100 Mbit/s link: 40% of the transfer hidden behind the compute).
         if self.side is None:
             self.side = mx.new_stream(self.stream or mx.default_device())
-        out = [a if a.size == 0 else mx.distributed.all_sum((a * scale if scale != 1.0 else a).reshape(-1), group=self.group,
-                                                            stream=self.side).reshape(a.shape) for a in arrays]  # fmt: skip
+        out = [a if a.size == 0 else mx.distributed.all_sum(a * scale if scale != 1.0 else a, group=self.group,
+                                                            stream=self.side) for a in arrays]  # fmt: skip
         mx.async_eval(out)
         return out
 
     def bcast(self, x, root):
-        bits = x.reshape(-1).view(UINT_BY_SIZE[x.dtype.size])
+        bits = x.view(UINT_BY_SIZE[x.dtype.size])
         mine = bits if self.rank == root else mx.zeros_like(bits)
-        return mx.distributed.all_sum(mine, group=self.group, stream=self.stream).view(x.dtype).reshape(x.shape)
+        return mx.distributed.all_sum(mine, group=self.group, stream=self.stream).view(x.dtype)
 
     def allgather(self, x):
         if x.size == 0:
