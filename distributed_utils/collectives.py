@@ -156,11 +156,12 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     the result evaluated inside the watched region (not with ``wait=False``: ``start_sum``).
     While MLX traces a function nothing is evaluated, and debug mode does not check (ranks may
     trace at different times)."""
-    for finish in list(_started) if _started else ():
-        finish()
+    if _started:  # a start_sum not yet waited for: the transport carries one collective at a time
+        for finish in list(_started):
+            finish()
     tracing = not (isinstance(arrays, np.ndarray) or evaluate(arrays))  # (numpy needs no evaluation)
     with watchdog.Collective(backend.rank, what, details, arrays) as call:
-        if call is not None and backend.size > 1 and not tracing and watchdog.debug():  # nested: part of this one
+        if call is not None and backend.size > 1 and not tracing and watchdog.debug():  # (its gathers: nested)
             check_same(backend, "ranks issued different collectives (DU_DEBUG)", {"collective": call.key()},
                        CollectiveMismatchError)  # fmt: skip
         out = primitive(arrays)
