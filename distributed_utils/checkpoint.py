@@ -187,7 +187,8 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat):
     for key, a in arrays.items():
         crcs[key] = zlib.crc32(_raw(a))
         heartbeat()
-    metadata = {"distributed_utils": meta_json, "crc32": json.dumps(crcs), "float64": json.dumps(doubles)}
+    metadata = {"distributed_utils": meta_json, "crc32": json.dumps(crcs), "float64": json.dumps(doubles),
+                "keys": json.dumps(list(arrays))}  # (MLX's header sorts them; trees come back in their order)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -277,6 +278,7 @@ def _verified(path: Path):
     try:
         meta = json.loads(saved["distributed_utils"])
         crcs = json.loads(saved["crc32"]) if "crc32" in saved else None
+        arrays = {key: arrays[key] for key in json.loads(saved.get("keys", "null")) or arrays}
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path} is not a distributed_utils checkpoint (no metadata)") from None
     missing = {"format", "step", "extra", "world_size", "data", "optimizer"} - set(meta)

@@ -150,6 +150,19 @@ def test_a_checkpoint_restores_rank_0s_model_and_state_and_each_ranks_random_sta
     assert mx.array_equal(mx.random.uniform(shape=(4,)), draws).item()  # this rank's own stream
 
 
+def test_a_checkpoint_gives_trees_back_in_their_order(backend, tmp_path):
+    """MLX's safetensors header sorts the keys, but a tree's order decides DiLoCo's fragments and
+    how gradients are packed (so the order of the sums across 3 or more ranks): it comes back."""
+    path = du.bcast(backend, str(tmp_path / "ck"))
+    opt = optim.Adam(1e-3)
+    opt.init({"z": mx.ones(2), "a": {"y": mx.ones(1), "b": mx.ones(3)}})
+    du.save_checkpoint(backend, path, optimizer=opt)
+    again = optim.Adam(1e-3)
+    du.load_checkpoint(backend, path, optimizer=again)
+    keys = [k for k, _ in tree_flatten(opt.state)]
+    assert keys != sorted(keys) and [k for k, _ in tree_flatten(again.state)] == keys
+
+
 def test_loading_a_missing_checkpoint_gives_none_on_every_rank(backend, tmp_path):
     path = du.bcast(backend, str(tmp_path / "none"))
     assert du.load_checkpoint(backend, path, model=nn.Linear(2, 2)) is None
