@@ -15,6 +15,7 @@ import numpy as np
 from .collectives import allreduce
 
 _received = []  # the signals this process received since the first preempted()
+_handling = False  # whether preempted() has made SIGTERM and SIGUSR1 call _mark
 
 
 def _mark(signum, frame):
@@ -29,7 +30,9 @@ def preempted(backend) -> bool:
             du.save_checkpoint(backend, "checkpoints", model=model, optimizer=opt, data=data, step=step, keep=3)
             return
     """
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        if signal.getsignal(sig) is not _mark:  # (signals are set from the main thread only)
+    global _handling
+    if not _handling:  # (signals are set from the main thread only)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, _mark)
+        _handling = True
     return bool(allreduce(backend, np.uint8(bool(_received)), "max"))  # (bools cost two casts more)
