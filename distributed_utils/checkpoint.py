@@ -287,9 +287,10 @@ def _verified(path: Path):
                               f"missing {sorted(missing)})")  # fmt: skip
     if crcs is None:
         warnings.warn(f"{path} was written without checksums (by an older version): loaded unverified")
-    for key, a in arrays.items():
-        if crcs is not None and zlib.crc32(_raw(a)) != crcs.get(key):
-            raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
+    else:
+        for key, a in arrays.items():
+            if zlib.crc32(_raw(a)) != crcs.get(key):
+                raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
     for key in json.loads(saved.get("float64", "[]")):
         arrays[key] = arrays[key].view(mx.float64)
     return arrays, meta

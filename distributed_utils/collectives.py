@@ -282,7 +282,7 @@ def _as_numpy(x):
     """A numpy array or a Python or numpy number as a numpy array, and the function that gives a
     result (numpy or mx) back as ``x``'s kind."""
     if isinstance(x, np.ndarray):
-        return check_travels(x), lambda r: r if isinstance(r, np.ndarray) else to_numpy(r)
+        return check_travels(x), _on_host
     if isinstance(x, complex):
         raise TypeError(
             "Python complex numbers are double precision, which MLX lacks: "
@@ -296,7 +296,12 @@ def _as_numpy(x):
     arr = np.asarray(x)
     if isinstance(x, int) and not isinstance(x, bool) and arr.dtype != np.int64:
         raise TypeError(f"the integer {x} does not fit in int64")
-    return check_travels(arr), lambda r: type(x)((r if isinstance(r, np.ndarray) else to_numpy(r)).item())
+    return check_travels(arr), lambda r: type(x)(_on_host(r).item())
+
+
+def _on_host(result):
+    """A result as a numpy array (it is one already when the transport works on host buffers)."""
+    return result if isinstance(result, np.ndarray) else to_numpy(result)
 
 
 def check_backend(backend) -> AbstractBackend:

@@ -78,11 +78,12 @@ class MPIBackend(AbstractBackend):
             else:
                 w = a.astype(mx.float32) if a.dtype in _NARROW_FLOATS else a
                 view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
-                if view is None and w.size and w.nbytes <= SMALL_BYTES:  # a copy to reduce in (see _received)
-                    w = view = np.array(contiguous_numpy(w))
-                elif view is None and w.size:
-                    w = to_mx(contiguous_numpy(w))
-                    view = own_memory(w)
+                if view is None and w.size:  # a copy to reduce in: a small one in numpy (see _received)
+                    if w.nbytes <= SMALL_BYTES:
+                        w = view = np.array(contiguous_numpy(w))
+                    else:
+                        w = to_mx(contiguous_numpy(w))
+                        view = own_memory(w)
             work.append(w)
             views.append(view)
         for view in views:
