@@ -1,8 +1,4 @@
-"""What an array is here: the dtypes that travel, bit views, numpy <-> mx, signatures.
-
-Every collective works on ``mx.array``; numpy arrays cross into MLX (``to_mx``) on the way in
-and back (``to_numpy``) on the way out.
-"""
+"""What an array is here: the dtypes that travel, bit views, numpy <-> mx, signatures."""
 
 import mlx.core as mx
 import numpy as np
@@ -40,22 +36,19 @@ def is_floating(dtype) -> bool:
 
 
 def to_mx(a: np.ndarray) -> mx.array:
-    """A copy of ``a`` as an mx.array of the same dtype and any layout (``mx.array`` alone makes
-    float64 float32, and refuses negative strides)."""
+    """A copy of ``a`` as an mx.array of its dtype (``mx.array`` alone makes float64 float32)."""
     contiguous = a if a.flags.c_contiguous else np.ascontiguousarray(a)  # (which makes 0-d 1-d)
     return mx.array(contiguous, dtype=MX_BY_NUMPY[a.dtype])
 
 
 def to_numpy(a: mx.array) -> np.ndarray:
-    """A numpy copy of ``a``, evaluated first: ``np.array`` of an unevaluated array whose
-    evaluation fails (a peer died) swallows the error and reads an unfilled buffer."""
+    """A numpy copy of ``a``, evaluated first (``np.array`` swallows a failed evaluation's error)."""
     mx.eval(a)
     return np.array(a)
 
 
 def own_memory(a: mx.array):
-    """``a``'s own memory as a writable C-contiguous numpy array (zero-copy: writing to it
-    changes ``a``), or None when its layout has no such view (transposed, broadcast, ...)."""
+    """``a``'s own memory as a writable C-contiguous numpy view, or None (transposed, broadcast, ...)."""
     mx.eval(a)
     try:
         view = np.asarray(a)
@@ -65,8 +58,7 @@ def own_memory(a: mx.array):
 
 
 def contiguous_numpy(a: mx.array) -> np.ndarray:
-    """``a``'s values as a C-contiguous numpy array: ``a``'s own memory when it is contiguous,
-    else a contiguous copy. bfloat16 comes as its uint16 bits."""
+    """``a``'s values as a C-contiguous numpy array (its own memory if it can; bfloat16 as uint16 bits)."""
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     mx.eval(a)
@@ -109,8 +101,7 @@ def show(sig) -> str:
 
 
 def evaluate(*values) -> bool:
-    """``mx.eval`` the mx.arrays in ``values`` (trees too) and return True; or return False
-    when MLX is tracing a function (``mx.compile``, ``vmap``), where they must stay lazy."""
+    """``mx.eval(values)`` and True; False while MLX traces a function (``mx.compile``, ``vmap``)."""
     try:
         mx.eval(values)
     except ValueError as e:

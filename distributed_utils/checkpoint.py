@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .arrays import MX_DTYPES, UINT_BY_SIZE, show, signature, to_mx
+from .arrays import MX_DTYPES, bits, show, signature, to_mx
 from .collectives import allgather, bcast, check_backend, root_runs
 from .synchronize import has_state, synchronize
 from .tree import describe
@@ -37,17 +37,14 @@ class CheckpointError(RuntimeError):
 
 def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, step=None, extra=None, keep=None,
                     trainable_only=False):  # fmt: skip
-    """Collective: write a checkpoint of this job to ``path`` (rank 0 writes; every rank waits).
+    """Collective: rank 0 writes a checkpoint to ``path``; every rank returns once it is there,
+    or raises CheckpointError if rank 0 could not (leaving no temporary file).
 
-    ``model``: an ``nn.Module`` (its parameters; ``trainable_only``: the trainable ones, such as
-    adapters without their frozen base). ``optimizer``: any ``mlx.optimizers`` optimizer,
-    ``DistributedOptimizer`` or ``DiLoCo`` (its whole state: a sharded one's is gathered, so it
-    loads into any world size). ``data``: your position in the data, a JSON value or an object
-    with ``state_dict()`` / ``load_state_dict()``. ``step``, ``extra``: JSON values. Every rank's
-    ``mx.random`` state is saved too. ``keep=k``: ``path`` is a directory, this checkpoint
-    goes to ``path/step-{step}.safetensors`` (``step`` required) and all but the newest k are
-    removed. Returns once ``path`` holds the new checkpoint; if rank 0 cannot write, every rank
-    raises CheckpointError, and no temporary file is left.
+    ``model``: its parameters (``trainable_only``: the trainable ones). ``optimizer``: any
+    optimizer, ``DistributedOptimizer`` or ``DiLoCo`` (its whole state, which loads into any
+    world size). ``data``: a JSON value or an object with ``state_dict()``/``load_state_dict()``.
+    ``step``, ``extra``: JSON values. Every rank's ``mx.random`` state is saved too. ``keep=k``:
+    ``path`` is a directory of ``step-{step}.safetensors`` files, of which the newest k stay.
     """
     check_backend(backend)
     if keep is not None:
@@ -79,9 +76,8 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
 
 
 def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None):
-    """Collective: rank 0 writes ``arrays`` to ``path`` atomically, then runs ``then()``; every
-    rank returns once that is done, or raises CheckpointError with rank 0's error. While rank 0
-    writes, it sends every rank a heartbeat (1) at most every HEARTBEAT_SECONDS, then a last 0."""
+    """Collective: rank 0 writes ``arrays`` to ``path`` atomically and runs ``then()``, sending
+    every rank a heartbeat (1) every HEARTBEAT_SECONDS or so, then 0 (else CheckpointError)."""
     if backend.rank != 0:
         while bcast(backend, np.array([0]), 0)[0]:
             pass
@@ -105,14 +101,11 @@ def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None):
 
 
 def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
-    """Collective: restore what ``save_checkpoint`` wrote to ``path`` (the newest in a ``keep``
-    directory) on every rank: rank 0 reads it, verifies its checksums and broadcasts it.
-
-    ``model`` gets the saved parameters in place, ``optimizer`` the saved state, ``data`` (with
-    ``load_state_dict``) its position, and each rank its random state (at the world size saved).
-    Returns ``{"step", "data", "extra", "world_size"}`` (the world size that saved it), or None
-    on every rank when ``path`` does not exist. Raises CheckpointError on every rank for a file
-    that is damaged or incomplete, or does not fit ``model`` or ``optimizer``.
+    """Collective: rank 0 reads ``path`` (the newest intact one in a ``keep`` directory),
+    verifies its checksums and broadcasts it: ``model``'s parameters (in place), ``optimizer``'s
+    state, ``data``'s position, each rank's random state (at the world size saved). Returns
+    ``{"step", "data", "extra", "world_size"}``, or None when there is no checkpoint; raises
+    CheckpointError on every rank for a damaged file or one that does not fit.
     """
     check_backend(backend)
     read = {}  # rank 0's arrays
@@ -159,10 +152,8 @@ def _flat(section, tree) -> dict:
         if isinstance(leaf, np.ndarray):
             leaf = to_mx(leaf)
         if not isinstance(leaf, mx.array):
-            raise TypeError(
-                f"save_checkpoint: {section} leaf '{key}' is a {type(leaf).__name__}, not an array; "
-                "pass such values in extra="
-            )
+            raise TypeError(f"save_checkpoint: {section} leaf '{key}' is a {type(leaf).__name__}, not an array; "
+                            "pass such values in extra=")  # fmt: skip
         flat[f"{section}.{key}"] = leaf
     return flat
 
@@ -173,10 +164,9 @@ def _section(arrays, section) -> list:
 
 
 def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat):
-    """Write ``arrays`` to ``path`` with MLX's safetensors writer, the CRC-32 of each array's
-    bytes in the metadata (float64, which it lacks, as its bits): a temporary file in the same
-    directory, fsync, rename over ``path``, fsync of the directory. ``heartbeat()`` runs after
-    each array's checksum and each piece written. On failure the temporary file is removed."""
+    """Write ``arrays`` to ``path`` with MLX's safetensors writer (float64 as its bits), each array's
+    CRC-32 in the metadata: to a temporary file (removed on failure), fsync, rename, fsync of the
+    directory. ``heartbeat()`` runs after each checksum and each piece written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in glob.glob(str(path.parent / f".{path.name}.tmp-*")):  # left by a killed job
         os.remove(stale)
@@ -185,7 +175,7 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat):
     mx.eval(list(arrays.values()))
     crcs = {}
     for key, a in arrays.items():
-        crcs[key] = zlib.crc32(_raw(a))
+        crcs[key] = zlib.crc32(np.asarray(bits(a)))
         heartbeat()
     metadata = {"distributed_utils": meta_json, "crc32": json.dumps(crcs), "float64": json.dumps(doubles),
                 "keys": json.dumps(list(arrays))}  # (MLX's header sorts them; trees come back in their order)
@@ -231,11 +221,6 @@ class _Pieces(io.RawIOBase):
         self.heartbeat()
 
 
-def _raw(a: mx.array) -> np.ndarray:
-    """``a``'s bytes, as a numpy view."""
-    return np.asarray(a.reshape(-1).view(UINT_BY_SIZE[a.dtype.size]) if a.size else mx.zeros(0, mx.uint8))
-
-
 _STEP_PREFIX = "step-"
 
 
@@ -245,9 +230,8 @@ def _checkpoints_in(folder: Path) -> list:
 
 
 def _find_and_read(path: Path):
-    """``(path, arrays, meta)`` of the checkpoint at ``path``, its checksums verified (arrays
-    and meta None when there is none); when ``path`` is a directory of them, the newest intact
-    one (warning of those skipped)."""
+    """``(path, arrays, meta)`` of the checkpoint at ``path`` (None, None: there is none), or of
+    the newest intact one in the directory ``path`` (warning of those skipped)."""
     if not path.is_dir():
         return path, *_verified(path)
     errors = []
@@ -266,9 +250,8 @@ def _find_and_read(path: Path):
 
 
 def _verified(path: Path):
-    """``(arrays, meta)`` read from ``path`` (None, None when there is no file); a
-    CheckpointError naming what is wrong for a file that is not a complete checkpoint, or whose
-    arrays' bytes do not match the checksums saved with them."""
+    """``(arrays, meta)`` read from ``path`` (None, None: no file), checksums verified; else a
+    CheckpointError naming what is wrong."""
     if not path.exists():
         return None, None
     try:
@@ -289,7 +272,7 @@ def _verified(path: Path):
         warnings.warn(f"{path} was written without checksums (by an older version): loaded unverified")
     else:
         for key, a in arrays.items():
-            if zlib.crc32(_raw(a)) != crcs.get(key):
+            if zlib.crc32(np.asarray(bits(a))) != crcs.get(key):
                 raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
     for key in json.loads(saved.get("float64", "[]")):
         arrays[key] = arrays[key].view(mx.float64)
@@ -297,8 +280,8 @@ def _verified(path: Path):
 
 
 def _check_fits(path, section, saved, tree):
-    """Raise (on every rank alike: ``saved``, the signature of each array, came from rank 0)
-    unless the checkpoint holds ``section`` with the keys, dtypes and shapes of ``tree`` (None: any)."""
+    """Raise unless the checkpoint's signatures ``saved`` (rank 0's: every rank alike) hold ``section``
+    with the keys, dtypes and shapes of ``tree`` (None: any)."""
     prefix = section + "."
     saved = {k[len(prefix) :]: sig for k, sig in saved.items() if k.startswith(prefix)}
     if not saved:
@@ -308,19 +291,14 @@ def _check_fits(path, section, saved, tree):
         return
     key = next(k for k in sorted(set(saved) | set(have)) if saved.get(k) != have.get(k))
     shown = lambda sig: "nothing" if sig is None else show(sig)  # noqa: E731
-    raise CheckpointError(
-        f"load_checkpoint: {path} does not fit the {section}: at '{key}' the checkpoint has "
-        f"{shown(saved.get(key))} and the {section} {shown(have.get(key))}"
-    )
+    raise CheckpointError(f"load_checkpoint: {path} does not fit the {section}: at '{key}' the checkpoint has "
+                          f"{shown(saved.get(key))} and the {section} {shown(have.get(key))}")  # fmt: skip
 
 
 def save_adapters(backend, path, model, config=None):
-    """Collective: rank 0 writes ``model``'s trainable parameters (LoRA adapters, say) to
-    ``path`` as mlx-lm does, atomically: a safetensors file of their flat names, which
-    ``mx.load``, ``model.load_weights(path, strict=False)`` and mlx-lm read. ``config``: a
-    dict written beside it as ``adapter_config.json`` (mlx-lm's ``load_adapters`` and
-    ``--adapter-path`` want it). Every rank returns once the file is complete, or raises
-    CheckpointError if rank 0 could not write it."""
+    """Collective: rank 0 writes ``model``'s trainable parameters (LoRA adapters, say) to ``path``
+    atomically, as mlx-lm does (``model.load_weights(path, strict=False)`` reads them), and
+    ``config`` beside it as ``adapter_config.json``; CheckpointError on every rank if it could not."""
     check_backend(backend)
     path = Path(path)
 

@@ -1,11 +1,7 @@
-"""The collectives, and the one door every collective passes.
+"""The collectives, and the one door every collective of the library passes (``_door``).
 
 Every function here that takes a backend is collective: all ranks call it, in the same order,
-with arrays of the same shape and dtype. Every collective the library issues, its own
-included (synchronize, the optimizer, checkpoints, data), passes through ``_door``: its inputs
-are evaluated, then, watched (``watchdog.py``), the debug check runs, the backend's primitive
-runs and its result is evaluated. Results stay lazy only while MLX traces a function
-(``mx.compile``, ``vmap``). Python objects travel pickled, as bytes, through the same door.
+with arrays of the same shape and dtype. Python objects travel pickled, as bytes.
 """
 
 import operator
@@ -31,13 +27,13 @@ class CollectiveMismatchError(RuntimeError):
 
 
 def bcast(backend, x, root: int = 0):
-    """Root's ``x`` on every rank, bit for bit. Arrays of the same shape and dtype on every
-    rank; anything else (scalars, str, None, picklable objects) is sent whole from root."""
+    """Root's ``x`` on every rank, bit for bit: arrays (of the same shape and dtype on every
+    rank), or any picklable object, sent whole from root."""
     check_root(backend, root)
     if not is_array(x):
         return _bcast_object(backend, x, root)
     arr, back = _as_mx(x)
-    return back(_door(backend, "bcast", arr, lambda a: _bytes_for_bool(backend.bcast, a, root), f"root={root}"))
+    return back(_door(backend, "bcast", arr, lambda a: backend.bcast(a, root), f"root={root}"))
 
 
 def allreduce(backend, x, op):
@@ -61,10 +57,9 @@ def allreduce(backend, x, op):
 
 
 def _nan_wins(backend, a, op):
-    """max or min where a NaN on any rank wins: transports drop or keep a NaN depending on
-    which rank holds it. Where each rank has a NaN travels beside the values, in the same
-    collective: the values with NaNs made the losing infinity, then the NaN flags (1 for max,
-    -1 for min, so that the op itself spreads them)."""
+    """max or min where a NaN on any rank wins (transports keep it or not by its rank): in one
+    collective, the values with NaNs made the losing infinity, and the NaN flags (1 for max,
+    -1 for min: the op itself spreads them)."""
     nan = mx.isnan(a).reshape(-1)
     loser, flag = (-mx.inf, 1) if op == "max" else (mx.inf, -1)
     both = mx.concatenate([mx.where(nan, loser, a.reshape(-1)).astype(a.dtype), (nan * flag).astype(a.dtype)])
@@ -73,10 +68,9 @@ def _nan_wins(backend, a, op):
 
 
 def weighted_mean(backend, value, weight) -> float:
-    """Collective: ``sum_r value_r * weight_r / sum_r weight_r`` over the ranks, on every rank,
-    in one allreduce: the loss per token over every rank's tokens, say, for logging (NaN if
-    every weight is 0). Every rank calls it; print the result on rank 0 alone (called inside
-    ``if rank == 0`` the others never join it, and the watchdog ends the job)."""
+    """Collective: ``sum_r value_r * weight_r / sum_r weight_r`` on every rank, in one allreduce
+    (NaN if every weight is 0): the loss per token over every rank's tokens, say. Call it on
+    every rank, and print on rank 0 alone."""
     v, w = (float(x.item()) if isinstance(x, mx.array) else float(x) for x in (value, weight))
     total = allreduce(backend, np.array([v * w, w]), "sum")
     return float(total[0] / total[1]) if total[1] else float("nan")
@@ -89,14 +83,14 @@ def reduce(backend, x, op, root: int = 0):
 
 
 def allgather(backend, x):
-    """Arrays: every rank's ``x`` concatenated along the first axis in rank order (0-d arrays
-    become a 1-d array of length total_workers). Anything else: a list of every rank's ``x``."""
+    """Every rank's array ``x`` concatenated along the first axis in rank order (0-d ones: a 1-d
+    array); anything else, the list of every rank's ``x``."""
     check_backend(backend)
     if not is_array(x):
         return _allgather_object(backend, x)
     arr, back = _as_mx(x)
     arr = arr.reshape(1) if arr.ndim == 0 else arr
-    return back(_door(backend, "allgather", arr, lambda a: _bytes_for_bool(backend.allgather, a)))
+    return back(_door(backend, "allgather", arr, backend.allgather))
 
 
 def barrier(backend):
@@ -105,15 +99,13 @@ def barrier(backend):
 
 
 def allreduce_arrays(backend, arrays: list, op: str = "sum", scale: float = 1.0, *, in_place=False) -> list:
-    """Collective: each floating or integer mx.array of ``arrays`` reduced with ``op`` ("sum",
-    "avg", "max", "min", "prod"), sums multiplied by ``scale``. ``in_place``: the caller hands
-    the arrays over, and the transport may write the results into their memory (MPIBackend does)."""
+    """Collective: each (numeric) mx.array of ``arrays`` reduced with ``op``, sums times ``scale``.
+    ``in_place``: the arrays are handed over; the transport may write the results into them."""
     return _reduce(backend, "allreduce_arrays", arrays, op, scale, in_place)
 
 
 def reduce_scatter_sum(backend, x):
-    """Collective: this rank's part of the sum of every rank's 1-d ``x`` (its length a
-    multiple of the world size); see ``AbstractBackend.reduce_scatter``."""
+    """Collective: this rank's part of the sum of every rank's 1-d ``x`` (``AbstractBackend.reduce_scatter``)."""
     return _door(backend, "reduce_scatter", x, backend.reduce_scatter, "sum")
 
 
@@ -128,11 +120,9 @@ def _reduce(backend, what, arrays, op, scale=1.0, in_place=False):
 
 
 def start_sum(backend, arrays: list, scale: float = 1.0):
-    """Collective: start the sum across ranks of each of ``arrays`` (mx.arrays, handed over)
-    times ``scale``, and return the function that waits for the results. On the MLX backends
-    the sums run on a stream of their own while this rank goes on computing; MPIBackend's are
-    done at once. The start goes through the door; the wait is watched too; and any other
-    collective first waits for it (a transport carries one collective at a time)."""
+    """Collective: start the sum across ranks of each of ``arrays`` (handed over) times ``scale``;
+    returns the function that waits for them (watched). The MLX backends sum on a stream of
+    their own while this rank computes; any other collective first waits for it."""
     details = ("sum",) if scale == 1.0 else ("sum", f"scale={scale:.4g}")
     out = _door(backend, "start_sum", arrays, lambda a: backend.start_sum(a, scale), *details, wait=False)
 
@@ -151,18 +141,16 @@ _started = []  # start_sum's collectives not yet waited for (at most one: each w
 
 
 def _door(backend, what, arrays, primitive, *details, wait=True):
-    """The one door: ``primitive(arrays)`` run as one watched collective, inputs evaluated
-    before the clock starts (their computation, a backward pass say, is not the collective's),
-    the result evaluated inside the watched region (not with ``wait=False``: ``start_sum``).
-    While MLX traces a function nothing is evaluated, and debug mode does not check (ranks may
-    trace at different times)."""
+    """The one door: ``primitive(arrays)`` as one watched collective (``watchdog.py``), its inputs
+    evaluated before the clock starts, its result inside (unless ``wait=False``), after the
+    debug check. While MLX traces a function, nothing is evaluated or checked."""
     if _started:  # a start_sum not yet waited for: the transport carries one collective at a time
         for finish in list(_started):
             finish()
     tracing = not (isinstance(arrays, np.ndarray) or evaluate(arrays))  # (numpy needs no evaluation)
     with watchdog.Collective(backend.rank, what, details, arrays) as call:
         if call is not None and backend.size > 1 and not tracing and watchdog.debug():  # (its gathers: nested)
-            check_same(backend, "ranks issued different collectives (DU_DEBUG)", {"collective": call.key()},
+            check_same(backend, "ranks issued different collectives (DU_DEBUG)", {"collective": call.text()},
                        CollectiveMismatchError)  # fmt: skip
         out = primitive(arrays)
         if wait and not isinstance(out, np.ndarray):
@@ -170,19 +158,12 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     return out
 
 
-def _bytes_for_bool(primitive, a, *args):
-    """``primitive`` of ``a``, a bool array travelling as its bytes (MPI aborts on bools)."""
-    if a.dtype != mx.bool_:
-        return primitive(a, *args)
-    return primitive(a.view(mx.uint8), *args).view(mx.bool_)
-
-
 # --- objects: pickled, travelling as bytes ---------------------------------------------
 
 
 def _bcast_object(backend, obj, root):
-    """Root's picklable ``obj`` on every rank. If root cannot pickle it, or some rank cannot
-    unpickle it, every rank raises a TypeError that says so."""
+    """Root's picklable ``obj`` on every rank (a TypeError on every rank if some rank cannot
+    pickle or unpickle it)."""
 
     def run(_):
         payload, error = _pickled(obj) if backend.rank == root else (np.empty(0, np.uint8), None)
@@ -195,8 +176,7 @@ def _bcast_object(backend, obj, root):
 
 
 def _allgather_object(backend, obj) -> list:
-    """The list of every rank's picklable ``obj``, in rank order; a TypeError on every rank
-    if some rank cannot pickle or unpickle."""
+    """The list of every rank's picklable ``obj`` (a TypeError on every rank as above)."""
 
     def run(_):
         payload, _ = _pickled(obj)
@@ -212,8 +192,7 @@ def _allgather_object(backend, obj) -> list:
 
 
 def _pickled(obj):
-    """``(bytes, None)``: ``obj``'s pickle; or, when it cannot be pickled, ``(no bytes, why)``
-    (the other ranks must hear of it, not wait)."""
+    """``(bytes, None)``: ``obj``'s pickle; or ``(no bytes, why)`` when it cannot be pickled."""
     try:
         return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8), None
     except Exception as e:
@@ -221,8 +200,7 @@ def _pickled(obj):
 
 
 def _unpickled(payload: np.ndarray):
-    """``(object, None)``, or ``(None, why)`` when it cannot be unpickled here; ``(None, None)``
-    for no bytes (its sender could not pickle it, and says so)."""
+    """``(object, None)``; ``(None, why)`` if it cannot be unpickled; ``(None, None)`` for no bytes."""
     try:
         return (pickle.loads(payload.tobytes()), None) if payload.size else (None, None)
     except Exception as e:
@@ -230,8 +208,7 @@ def _unpickled(payload: np.ndarray):
 
 
 def _raise_for_failures(backend, result, error, what):
-    """Collective: ``result``, unless some rank has an ``error``: then every rank raises a
-    TypeError naming every rank that failed and why."""
+    """Collective: ``result``, unless some rank has an ``error``: then a TypeError on every rank."""
     failed = allgather(backend, np.array([error is not None]))
     if failed.any():
         errors = _allgather_object(backend, error)
@@ -255,10 +232,8 @@ def root_runs(backend, fn, root, error_type, doing: str):
 
 
 def check_same(backend, who: str, values: dict, error=ValueError):
-    """Collective: raise ``error`` on every rank, naming each rank's value, unless every rank
-    passes the same ``values`` (by repr): settings that decide which collectives a rank makes,
-    where a difference would leave ranks waiting for each other until the watchdog ends the
-    job; in debug mode, every collective's ``Collective.key()``."""
+    """Collective: ``error`` on every rank, naming each rank's value, unless every rank passes
+    the same ``values`` (by repr): settings that decide which collectives a rank makes."""
     everyone = _allgather_object(backend, {name: repr(v) for name, v in values.items()})
     for name in values:
         differ = [r for r, theirs in enumerate(everyone) if theirs[name] != everyone[0][name]]
@@ -279,20 +254,15 @@ def _as_mx(x):
 
 
 def _as_numpy(x):
-    """A numpy array or a Python or numpy number as a numpy array, and the function that gives a
-    result (numpy or mx) back as ``x``'s kind."""
+    """A numpy array or number as a numpy array, and the function that gives a result back as ``x``'s kind."""
     if isinstance(x, np.ndarray):
         return check_travels(x), _on_host
     if isinstance(x, complex):
-        raise TypeError(
-            "Python complex numbers are double precision, which MLX lacks: "
-            "reduce np.complex64(x) or an mx.array instead"
-        )
+        raise TypeError("Python complex numbers are double precision, which MLX lacks: reduce np.complex64(x) "
+                        "or an mx.array instead")  # fmt: skip
     if not isinstance(x, (bool, int, float, np.generic)):
-        raise TypeError(
-            f"cannot reduce a {type(x).__name__}: pass an mx.array, a numpy array or a Python number "
-            "(use du.synchronize for trees and objects)"
-        )
+        raise TypeError(f"cannot reduce a {type(x).__name__}: pass an mx.array, a numpy array or a Python number "
+                        "(use du.synchronize for trees and objects)")  # fmt: skip
     arr = np.asarray(x)
     if isinstance(x, int) and not isinstance(x, bool) and arr.dtype != np.int64:
         raise TypeError(f"the integer {x} does not fit in int64")
@@ -306,11 +276,8 @@ def _on_host(result):
 
 def check_backend(backend) -> AbstractBackend:
     if not isinstance(backend, AbstractBackend):
-        hint = (
-            f"; get it with du.get_distributed_backend(du.{backend.__name__})"
-            if isinstance(backend, type) and issubclass(backend, AbstractBackend)
-            else ""
-        )
+        is_class = isinstance(backend, type) and issubclass(backend, AbstractBackend)
+        hint = f"; get it with du.get_distributed_backend(du.{backend.__name__})" if is_class else ""
         raise TypeError(f"expected a backend object, got {backend!r}{hint}")
     return backend
 
@@ -325,10 +292,8 @@ def _op_name(op) -> str:
     try:
         return _OPS[op]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown reduction op {op!r}: use 'sum', 'avg' (du.avg), 'max', 'min', 'prod', "
-            "or operator.add, max, min, operator.mul"
-        ) from None
+        raise ValueError(f"unknown reduction op {op!r}: use 'sum', 'avg' (du.avg), 'max', 'min', 'prod', "
+                         "or operator.add, max, min, operator.mul") from None  # fmt: skip
 
 
 def _check_op_dtype(op, dtype):

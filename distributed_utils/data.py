@@ -1,9 +1,8 @@
 """DistributedDataContainer: this rank's share of a data set, and equal-length epochs of batches.
 
-Sized data (anything with ``len`` and indexing) is split without communication, by
-``partition.py``. The container keeps only an index map: it never copies the data, and reads
-items (or rows of a batch, with one ``data[indices]`` call for arrays and Hugging Face
-datasets) only when they are asked for.
+The split is ``partition.py``'s, without communication. The container never copies the data:
+it reads items (a batch's rows in one ``data[indices]`` for arrays and Hugging Face datasets)
+when they are asked for.
 """
 
 import functools
@@ -25,17 +24,14 @@ from .registry import local_rank, total_workers
 AUTO_SHARE_STEPS = 4
 
 class DistributedDataContainer:
-    """This rank's share of ``data``, read lazily.
+    """This rank's share of ``data``: a sequence (``len`` and ``data[i]``), a numpy or mx array
+    (first axis), a tuple or dict of those indexed together (``(x, y)`` gives ``(x[i], y[i])``),
+    or a Hugging Face ``datasets.Dataset``. ``collate``: a function from a list of items to a
+    batch (else items are stacked); ``lengths``: each item's length (an array, or a function of
+    an item), for ``batches`` to group items of similar lengths.
 
-    ``data``: a sequence (``len`` and ``data[i]``); a numpy or mx array (first axis); a tuple or
-    dict of those, indexed together (``(x, y)`` gives ``(x[i], y[i])``); a Hugging Face
-    ``datasets.Dataset`` (rows read with ``ds[list_of_indices]``). ``collate``: a function from
-    a list of items to a batch (else items are stacked); ``lengths``: each item's length (an
-    array, or a function of an item), for ``batches`` to group items of similar lengths.
-
-    Collective at construction (all ranks must pass data of the same length); then ``len()``,
-    ``container[i]`` (global item ``indices[i]``) and iteration cover this rank's shard, with
-    no communication.
+    Collective at construction (every rank passes data of the same length); then ``len()``,
+    ``container[i]`` (global item ``indices[i]``) and iteration cover this rank's shard, locally.
     """
 
     def __init__(self, backend, data, *, collate=None, lengths=None):
@@ -84,13 +80,11 @@ class DistributedDataContainer:
         return self.data[j]
 
     def __iter__(self):
-        """This rank's items in order (the counts may differ by one across ranks; ``batches``
-        gives every rank the same number of steps)."""
+        """This rank's items in order (counts may differ by one across ranks; ``batches``'s do not)."""
         return (self[i] for i in range(len(self)))
 
     def set_epoch(self, epoch: int):
-        """The epoch that ``batches`` shuffles for when not given one (as in PyTorch's
-        DistributedSampler); call it with the same value on every rank."""
+        """The epoch ``batches`` shuffles for by default (as PyTorch's DistributedSampler); on every rank."""
         self.epoch = operator.index(epoch)
 
     def num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
@@ -98,10 +92,8 @@ class DistributedDataContainer:
         return batch_count(self._n, self.world_size, self._batch_size(batch_size), drop_last)
 
     def state_dict(self) -> dict:
-        """Where the job is in the data, the same on every rank: the epoch, and the batches of
-        it that ``batches()`` handed out (a batch counts once it is handed out; an epoch read
-        to its end is the next epoch at 0), with the world size and batch size they had. For
-        ``save_checkpoint(data=container)``."""
+        """Where the job is in the data (the same on every rank), for ``save_checkpoint(data=)``:
+        the epoch, and the batches of it handed out, with their world size and batch size."""
         if self._resume is not None:  # loaded, and not yet resumed by batches()
             return {"before": [], "batch_size": None, **self._resume}
         world_size, batch_size, batches = self._part
@@ -109,23 +101,18 @@ class DistributedDataContainer:
                 "before": [list(part) for part in self._before]}  # fmt: skip
 
     def load_state_dict(self, state: dict):
-        """Resume from ``state_dict()``: ``self.epoch`` becomes the saved epoch, and the next
-        ``batches()`` of that epoch (given no ``start``) visits only what the epoch has not
-        visited yet. With the saved world size and batch size it skips the batches already
-        done; with others, the items not yet visited are sharded anew over this job's ranks
-        (the rest of the epoch is still visited exactly once; the global batch changes)."""
+        """Resume from ``state_dict()``: the next ``batches()`` of the saved epoch (given no
+        ``start``) skips the batches done; at another world size or batch size it shards the
+        items not yet visited anew over this job's ranks (each still visited once)."""
         epoch, batches = operator.index(state["epoch"]), operator.index(state["batches"])
         if batches and state.get("batch_size") is None and state["world_size"] != self.world_size:
-            raise ValueError(
-                f"{self._label}: the data position was saved by {state['world_size']} ranks in the middle of "
-                f"epoch {epoch} ({batches} batches) by an older version, without its batch size; resume with "
-                f"{state['world_size']} ranks, or from a checkpoint saved at the end of an epoch"
-            )
+            raise ValueError(f"{self._label}: the data position was saved by {state['world_size']} ranks in the middle "
+                             f"of epoch {epoch} ({batches} batches) by an older version, without its batch size; "
+                             f"resume with {state['world_size']} ranks, or from a checkpoint saved at an epoch's end")
         self.epoch, self._resume = epoch, state
 
     def _resumed_parts(self, epoch, batch_size):
-        """(the parts of ``epoch`` already done, the batches to skip in this part) after
-        ``load_state_dict``: a part saved with another world size or batch size is done."""
+        """(the parts of ``epoch`` done, the batches of this part to skip) after ``load_state_dict``."""
         state, self._resume = self._resume, None
         if state is None or state["epoch"] != epoch:
             return [], 0
@@ -145,26 +132,20 @@ class DistributedDataContainer:
 
     def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=None,
                 exactly_once=False, share=None):  # fmt: skip
-        """Yields this rank's batches of one epoch: mx.arrays stacked along a new first axis (a
-        tuple or dict of them for such data; strings and other non-numbers stay lists), or what
-        ``collate`` makes of the list of items. Collective: every rank yields the same number of
-        batches, of the same sizes, and all must pass the same arguments (else ValueError on
-        every rank: different step counts would deadlock).
+        """Yields this rank's batches of one epoch: items stacked into mx.arrays (a tuple or dict
+        of them for such data; non-numbers stay lists), or ``collate``'s. Collective: every rank
+        passes the same arguments (else ValueError on every rank) and yields as many batches.
 
-        - ``partition.epoch_indices``: each rank visits ``ceil(N / P)`` items (a rank one short
-          repeats one); with ``drop_last`` every batch is full and none repeats.
-        - ``shuffle``: one permutation from ``(seed, epoch)``, the same on every rank; ``epoch``
-          defaults to ``set_epoch``'s (or ``load_state_dict``'s). ``start`` skips batches; by
-          default, after ``load_state_dict``, those done (at another world size or batch size
-          the items not yet visited are sharded anew).
-        - ``exactly_once`` (evaluation): every item once across the ranks, as ``(batch,
-          mask)``: each shard is filled up to the same number of batches with repeats of its
-          first item, whose ``mask`` (float32) is 0.
+        - Each rank visits ``ceil(N / P)`` items (one short repeats one); ``drop_last``: full
+          batches, no repeats. ``shuffle``: one permutation from ``(seed, epoch)``; ``epoch``
+          defaults to ``set_epoch``'s. ``start`` skips batches (by default those done before
+          ``load_state_dict``).
+        - ``exactly_once`` (evaluation): every item once across the ranks, as ``(batch, mask)``:
+          shards are filled up to the same number of batches with their first item, mask 0.
         - ``share`` (unequal hosts): this rank's share of each step's N x ``batch_size`` items
-          (its speed, say; ``partition.share_sizes``); weight the update by ``len(batch)``.
-          ``"auto"``: the ranks time their own work (a step less its time in collectives) over
-          ``AUTO_SHARE_STEPS`` steps of each epoch, agree on shares in proportion (one
-          allgather; rank 0 prints them) and split the rest of the epoch so."""
+          (``partition.share_sizes``); weight the update by ``len(batch)``. ``"auto"``: the ranks
+          time their own work (less their time in collectives) over ``AUTO_SHARE_STEPS`` steps,
+          agree on shares in proportion (rank 0 prints them) and split the rest of the epoch so."""
         batch_size = self._batch_size(batch_size)
         epoch = self.epoch if epoch is None else operator.index(epoch)
         check_same(self.backend, f"{self._label}: batches()", dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
@@ -181,8 +162,7 @@ class DistributedDataContainer:
         return self._sized_batches(order, before, batch_size, start, share == "auto", exactly_once)
 
     def _sized_batches(self, order_of, before, batch_size, start, auto, exactly_once=False):
-        """The epoch's batches (``batch_size``: one, or every rank's list), keeping ``state_dict``
-        up to date as they are handed out; with ``auto``, re-split once the shares are measured."""
+        """The epoch's batches (``batch_size``: one, or every rank's list), handed out by ``_counted``."""
         mine = size_of(batch_size, self.rank)
         if exactly_once:
             order, real = exactly_once_indices(self._n, self.world_size, self.rank, batch_size, shuffle=order_of["shuffle"],
@@ -199,8 +179,8 @@ class DistributedDataContainer:
         return self._counted(order_of["epoch"], before, batch_size, start, batches, order_of if auto else None)
 
     def _agreed_sizes(self, batch_size, share) -> list:
-        """Collective: every rank's batch size for ``share`` (this rank's number, or "auto":
-        the sizes last measured, else those the data position was saved with, else equal)."""
+        """Collective: every rank's batch size for ``share`` (a number; "auto": the sizes last
+        measured, else those saved, else equal)."""
         if share == "auto":
             saved = (self._resume or {}).get("batch_size")
             for sizes in (self._auto_sizes, saved, [batch_size] * self.world_size):
@@ -233,8 +213,8 @@ class DistributedDataContainer:
         return self._auto_sizes
 
     def _counted(self, epoch, before, batch_size, start, batches, auto=None):
-        """``batches``, keeping ``state_dict`` up to date as they are handed out; ``auto`` (the
-        epoch's order, for ``share="auto"``): re-split once the ranks' speeds are measured."""
+        """``batches``, keeping ``state_dict`` up to date; ``auto`` (the epoch's order, for
+        ``share="auto"``): re-split once the ranks' speeds are measured."""
         self.epoch, self._before, self._part = epoch, before, (self.world_size, batch_size, start)
         clock = []  # (seconds, seconds in collectives) at each hand-out
         for batch in batches:
@@ -276,9 +256,8 @@ class DistributedDataContainer:
 
 
 def _columns_and_length(data, where):
-    """``(columns, n)``: ``data`` itself when it is a tuple or dict of columns, indexed together
-    (``(x, y)[i]`` is ``(x[i], y[i])``), else None; and the number of items. Errors for empty,
-    unindexable or mismatched data."""
+    """``(columns, n)``: ``data`` when it is a tuple or dict of columns (else None), and the
+    number of items; errors for empty, unindexable or mismatched data."""
     columns = data if isinstance(data, (tuple, dict)) else None
     if columns is not None:
         if not data:

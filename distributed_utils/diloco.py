@@ -1,13 +1,9 @@
-"""DiLoCo (Douillard et al., arXiv 2311.08105) and its streaming form (arXiv 2501.18512): data
+"""DiLoCo (Douillard et al., arXiv 2311.08105) and Streaming DiLoCo (arXiv 2501.18512): data
 parallelism for slow links. Each rank takes ``sync_every`` (H) steps of its inner optimizer
-on its own, with no collective; then the ranks average the pseudo-gradient, the global
-parameters minus their local ones, and an outer optimizer (SGD with Nesterov momentum by
-default) takes one step on the global parameters, from which every rank continues.
-
-With ``fragments=F`` the parameters are cut into F fragments of about equal bytes (whole
-arrays, in ``tree_flatten`` order), and each fragment syncs every H steps, their syncs
-staggered H/F steps apart: each sync moves 1/F of the bytes. Local SGD is DiLoCo with
-``outer_optimizer=optim.SGD(1.0)``.
+alone; then the ranks average the pseudo-gradient (global minus local parameters), and an
+outer optimizer takes one step on the global parameters, from which every rank continues.
+With ``fragments=F``, F runs of whole arrays of about equal bytes sync in turn, H/F steps
+apart: each sync moves 1/F of the bytes. Local SGD is ``outer_optimizer=optim.SGD(1.0)``.
 """
 
 import mlx.core as mx
@@ -25,30 +21,22 @@ class DiLoCo(optim.Optimizer):
     """Wraps ``inner_optimizer`` (any ``mlx.optimizers.Optimizer``, local to each rank) so that
     every ``sync_every`` steps the ranks agree on the parameters through ``outer_optimizer``.
 
-    Collective like ``DistributedOptimizer``. A step that syncs no fragment makes no collective;
-    a sync is one reduction of the fragment's pseudo-gradients, then the outer step, after which
-    the synced parameters are bit for bit the same on every rank. The first update checks that
-    the ranks start from the same parameters and settings.
+    Collective like ``DistributedOptimizer``, but a step that syncs no fragment makes no
+    collective; after a sync the fragment's parameters are bit for bit the same on every rank.
+    The first update checks that the ranks start from the same parameters and settings.
 
     Args:
-        outer_optimizer: the rule for the averaged pseudo-gradient (default ``optim.SGD(0.7,
-            momentum=0.9, nesterov=True)``); its state is keyed by the parameters' flat names.
-        sync_every: H >= 1, the inner steps between two syncs of a fragment.
-        fragments: F, 1 <= F <= min(H, number of parameter arrays).
+        outer_optimizer: default ``optim.SGD(0.7, momentum=0.9, nesterov=True)``; its state is
+            keyed by the parameters' flat names.
+        sync_every: H >= 1; fragments: F, 1 <= F <= min(H, number of parameter arrays).
         compression, bucket_bytes: what the pseudo-gradients travel as (``reduce_gradients``).
-        fragment_sync_delay: tau, 0 <= tau < H // F (Streaming DiLoCo's overlap): a fragment's
-            all-reduce starts tau steps before its sync and travels while the ranks compute (on
-            the MLX backends; MPIBackend's is done at once); any other collective in between
-            first waits for it.
-        fragment_update_alpha: after a sync each rank's fragment is ``global + alpha * (local -
-            global)``: 0 (the default) takes the global parameters.
+        fragment_sync_delay: tau < H // F: a fragment's all-reduce starts tau steps before its
+            sync and travels while the ranks compute (MLX backends; MPIBackend's is done at once).
+        fragment_update_alpha: after a sync a rank's fragment is ``global + alpha * (local - global)``.
 
-    ``update(model, grads, weight=w)``: the outer average is weighted by each rank's weights
-    (tokens, say) since the fragment's last sync; pass it on every step or on none.
-
-    Memory beyond the model and the inner state: the global parameters and the outer state
-    (one momentum by default), in ``state``. Checkpoints hold ``whole_state()``, which adds
-    every rank's local parameters and inner state.
+    ``update(model, grads, weight=w)`` weights the outer average by each rank's weights since
+    the fragment's last sync (pass it on every step or none). Memory beyond the model and inner
+    state: the global parameters and the outer state; checkpoints add every rank's local parameters.
     """
 
     def __init__(self, backend, inner_optimizer, *, outer_optimizer=None, sync_every=100, fragments=1,
@@ -87,8 +75,7 @@ class DiLoCo(optim.Optimizer):
 
     @property
     def state(self) -> dict:
-        """This rank's state: ``{}`` before the first update or ``init``, then the inner and
-        outer optimizers' states, the global parameters and the step count."""
+        """This rank's inner and outer states, global parameters and step count (``{}`` before ``init``)."""
         if self._global is None:
             return {}
         return {"inner": self.inner_optimizer.state, "outer": self.outer_optimizer.state, "global": self._global,
@@ -113,8 +100,7 @@ class DiLoCo(optim.Optimizer):
         return self.inner_optimizer.learning_rate
 
     def init(self, parameters):
-        """Start from ``parameters`` (a tree; those with gradients): the global copy, and the
-        inner and outer optimizers' states. Local; ``update`` calls it the first time."""
+        """Local: start from ``parameters`` (those with gradients); the first ``update`` calls it."""
         leaves = floating_leaves(parameters, "DiLoCo.init(parameters)")
         if len(leaves) < self.fragments:
             raise ValueError(f"DiLoCo: fragments={self.fragments} but the model has only {len(leaves)} "
@@ -127,9 +113,8 @@ class DiLoCo(optim.Optimizer):
         mx.eval(self._global, self.inner_optimizer.state, self.outer_optimizer.state)
 
     def whole_state(self) -> dict:
-        """Collective: ``state``, the average of a fragment in flight, and every rank's local
-        parameters, inner state and weights since the last syncs, stacked along a new first axis
-        in rank order: what a checkpoint holds ({} before the first update or ``init``)."""
+        """Collective: what a checkpoint holds: ``state``, the average of a fragment in flight,
+        and every rank's local parameters, inner state and weights, stacked in rank order."""
         if self._global is None:
             return {}
         started = {}  # the average of a fragment in flight (fragment_sync_delay), waited for now
@@ -142,9 +127,8 @@ class DiLoCo(optim.Optimizer):
         return {**self.state, "started": started, "ranks": tree_map(lambda a: allgather(self.backend, a[None]), mine)}
 
     def load_whole_state(self, state: dict, model=None):
-        """Set the state from ``whole_state()``'s form, and ``model``'s parameters to this
-        rank's local ones. Rank r takes saved rank r's part; at another world size, saved rank
-        r % N's (at a step where every fragment has just synced, the global parameters)."""
+        """Set the state from ``whole_state()``'s form, and ``model``'s parameters to this rank's
+        local ones: saved rank r's, or at another world size r % N's."""
         ranks = state["ranks"]
         row = self.backend.rank % int(ranks["weights"].shape[0])
         self.state = {**state, "inner": tree_map(lambda a: a[row], ranks["inner"])}
@@ -163,8 +147,7 @@ class DiLoCo(optim.Optimizer):
         model.update(self._step(gradients, model, weight))
 
     def apply_gradients(self, gradients, parameters, weight=None):
-        """The updated ``parameters`` (for the keys of ``gradients``): an inner step, then the
-        syncs due at this step (collective)."""
+        """The updated ``parameters`` at the keys of ``gradients``: ``update``'s steps."""
         return self._step(gradients, parameters, weight)
 
     def _step(self, gradients, parameters, weight):
@@ -202,8 +185,8 @@ class DiLoCo(optim.Optimizer):
             self._weights[f] = mx.array(0.0)
 
     def _sync(self, f, local) -> dict:
-        """Collective: fragment ``f``'s new global parameters (every rank's alike), and this
-        rank's parameters of it: those, or mixed with its own (``fragment_update_alpha``)."""
+        """Collective: this rank's parameters of fragment ``f`` after its outer step (the new global
+        ones, or mixed with its own: ``fragment_update_alpha``)."""
         keys, averaged = self._started.pop(f)
         updated = self.outer_optimizer.apply_gradients(dict(zip(keys, averaged())), {k: self._global[k] for k in keys})
         mx.eval(updated, self.outer_optimizer.state)

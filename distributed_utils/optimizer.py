@@ -9,7 +9,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .arrays import UINT_BY_SIZE, evaluate
+from .arrays import bits, evaluate
 from .backends import AbstractBackend
 from .collectives import check_same
 from .reduction import Reduction, as_weight, reduce_gradients
@@ -19,30 +19,26 @@ from .sharded import ShardedState
 class DistributedOptimizer(optim.Optimizer):
     """Wraps ``optimizer`` so that every update first reduces the gradients across all ranks
     (``reduce_gradients``). A drop-in: ``update``, ``apply_gradients``, ``init``, ``state`` (the
-    wrapped optimizer's, so ``du.synchronize`` and ``mx.compile(..., inputs=state)`` see it),
-    ``step``, ``learning_rate`` and any other attribute read through to ``optimizer``.
+    wrapped one's, which ``du.synchronize`` and ``mx.compile(..., inputs=state)`` see) and every
+    other attribute read through to ``optimizer``.
 
     Collective: every rank calls ``update`` (or ``apply_gradients``, ``reduce_gradients``) as
-    often and in the same order, with trees of the same keys, shapes and dtypes; every reduction
-    checks that (not while MLX traces), else ``du.TreeMismatchError`` on every rank. The first
-    update checks once that the ranks start from the same parameters (else ValueError).
+    often, in the same order, with trees of the same keys, shapes and dtypes (checked, else
+    ``du.TreeMismatchError`` on every rank); the first update checks that the ranks start from
+    the same parameters (else ValueError).
 
     Args:
         optimizer: any ``mlx.optimizers.Optimizer``, ``MultiOptimizer`` and schedules included.
         op, compression, bucket_bytes: as for ``reduce_gradients`` (op "avg" or "sum").
-        accumulate_steps: k > 1 adds up k calls' gradients locally and reduces once, at the
-            k-th call, their mean (op "avg": like one process at batch k*N*B) or sum; the other
-            calls send nothing and change nothing (``apply_gradients`` returns the parameters).
-            The count lives in Python: keep ``update`` out of ``mx.compile`` then.
+        accumulate_steps: k > 1 sums k calls' gradients locally and reduces, at the k-th call,
+            their mean (op "avg": like one process at batch k*N*B) or sum; the other calls send
+            nothing and change nothing. The count lives in Python: keep ``update`` out of ``mx.compile``.
         shard_optimizer_state: each rank keeps the state of its 1/N of the parameters (ZeRO
-            stage 1, ``sharded.py``): ``state`` holds this rank's slices, checkpoints the whole
-            state (``whole_state``), which loads into any world size, sharded or not. For the
-            element-by-element optimizers (``sharded.ELEMENTWISE``); others are a ValueError.
+            stage 1, ``sharded.py``); checkpoints hold the whole state, which loads into any
+            world size. For the element-by-element optimizers (``sharded.ELEMENTWISE``).
 
-    Example: clip the averaged gradients before the rule::
-
-        grads, _ = optim.clip_grad_norm(opt.reduce_gradients(grads), max_norm=1.0)
-        opt.optimizer.update(model, grads)
+    To clip the averaged gradients: ``grads, _ = optim.clip_grad_norm(opt.reduce_gradients(grads),
+    1.0)``, then ``opt.optimizer.update(model, grads)``.
     """
 
     def __init__(self, backend, optimizer, *, op="avg", accumulate_steps=1, compression=None, bucket_bytes=None,
@@ -78,13 +74,11 @@ class DistributedOptimizer(optim.Optimizer):
             self.optimizer.init(parameters)
 
     def whole_state(self) -> dict:
-        """The whole optimizer state, per parameter: ``state`` itself, or, when sharded,
-        gathered from every rank's part (collective then). What checkpoints hold."""
+        """What checkpoints hold: ``state``, or when sharded, gathered from every rank (collective)."""
         return self.state if self.shards is None else self.shards.whole_state()
 
     def load_whole_state(self, state: dict, model=None):
-        """Set the state from ``whole_state()``'s form (when sharded, this rank takes its part);
-        ``model`` is not used (``DiLoCo``'s takes it)."""
+        """Set the state from ``whole_state()``'s form (sharded: this rank's part; ``model``: unused)."""
         if self.shards is None:
             self.state = state
         else:
@@ -92,24 +86,20 @@ class DistributedOptimizer(optim.Optimizer):
 
     def update(self, model, gradients, weight=None):
         """Reduce ``gradients`` across ranks, then the wrapped optimizer updates ``model``.
-        ``weight``: this rank's weight (its count of tokens, say): the update then uses the
-        weighted mean of the ranks' gradients (see ``reduce_gradients``); pass it on every
-        rank or on none. With ``accumulate_steps=k``, only the k-th call of each cycle
-        reduces and updates (weighted: the weighted mean over the cycle's calls and ranks)."""
+        ``weight``: this rank's (its tokens, say), on every rank or none: the weighted mean
+        (``reduce_gradients``), over the cycle's calls too with ``accumulate_steps``."""
         updated = self._step(gradients, model.parameters(), model, weight)
         if updated is not None:
             model.update(updated)
 
     def apply_gradients(self, gradients, parameters, weight=None):
         """The wrapped optimizer's ``apply_gradients`` on the reduced ``gradients`` (``weight``:
-        as for ``update``). With ``accumulate_steps=k``, the other calls return ``parameters``
-        (restricted to the keys of ``gradients``) unchanged."""
+        as for ``update``); while accumulating, ``parameters`` (at the gradients' keys)."""
         updated = self._step(gradients, parameters, parameters, weight)
         return tree_map(lambda _, p: p, gradients, parameters) if updated is None else updated
 
     def reduce_gradients(self, gradients, weight=None):
-        """Collective: ``gradients`` reduced across ranks now, with this optimizer's op,
-        compression and buckets, or their weighted mean (``accumulate_steps`` does not apply)."""
+        """Collective: ``gradients`` reduced now, as ``update`` would (``accumulate_steps`` aside)."""
         return self._reduce(gradients, 1.0, weight, "DistributedOptimizer.reduce_gradients(grads)")
 
     def _reduce(self, gradients, scale, weight, what):
@@ -118,8 +108,7 @@ class DistributedOptimizer(optim.Optimizer):
                                 compression=r.compression, bucket_bytes=r.bucket_bytes, what=what)  # fmt: skip
 
     def _step(self, gradients, parameters, target, weight):
-        """The updated parameters (``target``: what the wrapped optimizer updates, the model
-        or ``parameters``), or None while an accumulation cycle goes on."""
+        """The updated parameters (of ``target``: the model or ``parameters``), or None while accumulating."""
         if not self._parameters_checked and evaluate(parameters):  # (not while MLX traces)
             check_same_parameters(self.backend, parameters)
             self._parameters_checked = True
@@ -133,9 +122,8 @@ class DistributedOptimizer(optim.Optimizer):
         return self.optimizer.apply_gradients(self._reduce(gradients, scale, weight, what), target)
 
     def _accumulate(self, gradients, weight):
-        """``(gradients, scale, weight)`` to reduce at this call, or None while an accumulation
-        cycle goes on. Over a cycle of k calls: the sum of the gradients, scale 1/k for op
-        "avg"; weighted, this rank's weighted mean of them, and the sum of its weights."""
+        """``(gradients, scale, weight)`` to reduce at the cycle's k-th call (the sum and 1/k for
+        "avg"; weighted: the weighted mean and the summed weight), else None."""
         k = self.accumulate_steps
         if k == 1:
             return gradients, 1.0, weight
@@ -157,12 +145,11 @@ class DistributedOptimizer(optim.Optimizer):
 
 
 def check_same_parameters(backend, parameters, who="DistributedOptimizer"):
-    """Collective, once: raise ValueError on every rank unless every rank holds rank 0's
-    parameters (compared by a digest of their bits)."""
+    """Collective: ValueError on every rank unless every rank holds rank 0's parameters (by digest)."""
     digest = hashlib.sha256()
     for _, p in tree_flatten(parameters):
         if isinstance(p, mx.array):
-            digest.update(memoryview(np.asarray(p.reshape(-1).view(UINT_BY_SIZE[p.dtype.size]))))
+            digest.update(np.asarray(bits(p)))
     name = "parameters at the first update (call du.synchronize(backend, model) on every rank first), digest"
     check_same(backend, who, {name: digest.hexdigest()[:16]})
 

@@ -1,10 +1,8 @@
-"""How an epoch's items are split over the ranks: pure functions of their arguments (no
-communication), the same on every rank. ``DistributedDataContainer`` (``data.py``) reads with them.
+"""How an epoch's items are split over the ranks: pure functions, the same on every rank.
 
-Rank r of P owns the contiguous items ``shard_bounds(N, P, r)`` (``np.array_split``'s
-boundaries, which equal Lux's ``ceil(N/P)`` chunks when P divides N, and work for any P, even
-P > N): shards are disjoint and cover the data. ``batch_size`` is one size for every rank, or
-the list of every rank's (``share_sizes``, for unequal hosts).
+Rank r of P owns the contiguous items ``shard_bounds(N, P, r)`` (``np.array_split``'s, Lux's
+when P divides N, any P): disjoint shards that cover the data. ``batch_size`` is one size for
+every rank, or the list of every rank's (``share_sizes``, for unequal hosts).
 """
 
 import numpy as np
@@ -14,33 +12,29 @@ LENGTH_GROUP_BATCHES = 32
 
 
 def shard_bounds(n: int, world_size: int, rank: int) -> tuple:
-    """``(start, stop)`` of rank's contiguous shard of ``n`` items: the first ``n % world_size``
-    ranks hold ``ceil(n / world_size)`` items, the others ``floor`` (possibly 0)."""
+    """``(start, stop)`` of rank's shard of ``n`` items: ``ceil(n / P)`` for the first ``n % P``, else ``floor``."""
     q, r = divmod(n, world_size)
     start = rank * q + min(rank, r)
     return start, start + q + (rank < r)
 
 
 def samples_per_rank(n: int, world_size: int, batch_size: int, drop_last: bool) -> int:
-    """How many items every rank visits per epoch: ``ceil(n / P)`` (short ranks repeat items)
-    or, with ``drop_last``, the most full batches every rank can fill without repeats."""
+    """Items every rank visits per epoch: ``ceil(n / P)``, or ``drop_last``'s full batches without repeats."""
     if drop_last:
         return (n // world_size) // batch_size * batch_size
     return -(-n // world_size)
 
 
 def batch_count(n: int, world_size: int, batch_size, drop_last: bool) -> int:
-    """Batches per epoch on every rank; a function of its arguments alone (no communication).
-    ``batch_size``: one for every rank, or a list of each rank's (``share_sizes``)."""
+    """Batches per epoch, the same on every rank."""
     if isinstance(batch_size, list):
         return n // sum(batch_size) if drop_last else -(-n // sum(batch_size))
     return -(-samples_per_rank(n, world_size, batch_size, drop_last) // batch_size)
 
 
 def share_sizes(batch_size: int, shares) -> list:
-    """Each rank's batch size for ``shares`` (one positive number per rank): about
-    ``N * batch_size * s_r / sum(s)``, rounded (largest remainders first) so that they add up
-    to exactly ``N * batch_size``."""
+    """Each rank's batch size for ``shares`` (positive numbers): ``N * batch_size * s_r / sum(s)``
+    rounded, largest remainders first, to add up to ``N * batch_size``."""
     shares = np.asarray(shares, np.float64)
     exact = len(shares) * batch_size * shares / shares.sum()
     sizes = np.floor(exact).astype(np.int64)
@@ -58,21 +52,17 @@ def global_batch(world_size, batch_size) -> int:
 
 
 def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=()):
-    """The global indices rank visits in this epoch, in order: the epoch's order
-    (``epoch_order``) read from the start of rank's shard, wrapping around the end
-    (``samples_per_rank`` items; without ``drop_last`` a shard one item short repeats the next
-    one). With every rank's batch size (a list, ``share_sizes``) the order is read in global
-    batches of their sum instead, rank r taking its slice of each; without ``drop_last`` the
-    last one wraps to the start. ``done``: the parts of this epoch visited before a restart at
-    another world size, ``(world_size, batch_size, batches)``; the rest is sharded as above."""
+    """The global indices rank visits in this epoch, in order: ``samples_per_rank`` items of the
+    epoch's order from the start of rank's shard, wrapping around; with every rank's batch size
+    (a list) its slice of each global batch instead. ``done``: the parts ``(world_size,
+    batch_size, batches)`` visited before a restart; the rest is sharded so."""
     left = remaining_positions(n, done)
     return epoch_order(n, shuffle, seed, epoch)[left[_share(len(left), world_size, rank, batch_size, drop_last)]]
 
 
 def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0):
-    """``(indices, real)``: the global indices rank visits when every item must be visited
-    exactly once (evaluation): its own shard of the epoch's order, then filler (its first item
-    again) up to the same whole number of batches on every rank; ``real`` is False for filler."""
+    """``(indices, real)``: rank's shard of the epoch's order, then its first item again (not
+    ``real``) up to as many batches as every rank: each item once across the ranks."""
     order = epoch_order(n, shuffle, seed, epoch)
     if isinstance(batch_size, list):  # in global batches: the positions past the end are filler
         positions = _global_batches(n, batch_size, rank, False)
@@ -86,10 +76,9 @@ def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed
 
 
 def group_by_length(order, lengths, batch_size, real=None):
-    """``order`` with each run of ``LENGTH_GROUP_BATCHES`` batches sorted by length, longest
-    first (a stable sort): a batch then holds items of similar lengths, so less padding, and
-    the runs keep the epoch's (shuffled) order. ``lengths(indices)`` gives their lengths.
-    With ``real`` (see ``exactly_once_indices``) only the real items are grouped."""
+    """``order`` with each run of ``LENGTH_GROUP_BATCHES`` batches stably sorted by
+    ``lengths(indices)``, longest first: less padding, and the runs keep the epoch's order.
+    With ``real`` (``exactly_once_indices``) only the real items are grouped."""
     out = np.array(order)
     count = len(out) if real is None else int(real.sum())
     run = LENGTH_GROUP_BATCHES * batch_size
@@ -100,14 +89,13 @@ def group_by_length(order, lengths, batch_size, real=None):
 
 
 def epoch_order(n, shuffle, seed, epoch) -> np.ndarray:
-    """The epoch's order of the ``n`` items: ``range(n)``, or with ``shuffle`` one permutation
-    drawn from ``np.random.default_rng((seed, epoch))``, the same on every rank."""
+    """``range(n)``, or with ``shuffle`` the permutation from ``np.random.default_rng((seed, epoch))``."""
     return np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
 
 
 def remaining_positions(n: int, done=()) -> np.ndarray:
-    """The positions in an epoch's order of ``n`` items not yet visited after the ``done``
-    parts ``(world_size, batch_size, batches)``, each run on what the parts before it left."""
+    """The positions in an epoch's order not visited by the ``done`` parts, each run on what the
+    parts before it left."""
     left = np.arange(n)
     for world_size, batch_size, batches in done:
         visited = np.zeros(len(left), bool)

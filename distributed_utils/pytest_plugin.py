@@ -1,16 +1,11 @@
-"""A pytest plugin for running the same tests on every rank (``du-launch ... python -m pytest``);
-pytest loads it by itself wherever distributed_utils is installed, and it does nothing outside
-a job of several ranks. In one:
+"""The pytest plugin for the same tests on every rank (``du-launch ... python -m pytest``),
+loaded wherever distributed_utils is installed; in a job of several ranks:
 
-- a test that fails on one rank ends that rank's session at once (like ``-x``), with pytest's
-  report of the failure: the rank exits 1, and du-launch (or mpirun, through
-  ``distributed_utils.run``) stops the others and names it, instead of the others waiting
-  in a collective the failed rank never joins until the watchdog ends the job;
-- each rank gets its own ``--basetemp`` (ranks sharing pytest's numbered directories would
-  remove each other's);
-- hypothesis draws from one seed shared by every rank, new for each job (its id), shown in the
-  header: ``DU_HYPOTHESIS_SEED=N`` (or ``--hypothesis-seed``) repeats a run. Every rank must
-  draw the same examples, or the ranks issue different collectives.
+- a failed test ends its rank's session at once (like ``-x``), with pytest's report: the rank
+  exits 1 and the launcher stops the others and names it (they would wait for it otherwise);
+- each rank gets its own ``--basetemp`` (else ranks remove each other's directories);
+- hypothesis draws from one seed for every rank (they must issue the same collectives), new
+  for each job and shown in the header: ``DU_HYPOTHESIS_SEED=N`` repeats a run.
 """
 
 import os

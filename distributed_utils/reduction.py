@@ -28,28 +28,22 @@ from .tree import verify_same_structure
 
 def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, weight=None, compression=None, bucket_bytes=None,
                      verify=True, what="reduce_gradients(grads)"):  # fmt: skip
-    """Collective: ``gradients`` (a tree; its floating mx.arrays, other leaves pass through)
-    reduced across ranks, as a tree of the same structure.
+    """Collective: the floating mx.arrays of ``gradients`` (a tree) reduced across ranks, in a
+    tree of the same structure (other leaves pass through); the table: this module's docstring.
 
-    - ``op``: "avg" (the default: with a mean-reduced loss, N ranks at batch B step like one
-      process at batch N*B) or "sum"; ``scale`` multiplies the result in the same pass.
-    - ``weight``: this rank's weight (a number or 0-d mx.array, its count of tokens say): the
-      result is ``sum_r w_r g_r / sum_r w_r`` (op "avg"; zeros if every weight is 0), so that
-      N ranks step exactly like one process on the union of their tokens.
-    - ``compression`` (what travels): ``mx.bfloat16``/``mx.float16`` (or their names):
-      pre-divided by N so that the sum cannot overflow, cast back after (MPIBackend sends
-      float32); ``"int8"``: each array with a scale of its own, found in one small allgather,
-      in ``127 // N`` levels a side: a quarter of float32's bytes, about 6 bits of precision
-      at 2 ranks and 4 at 8 (for DiLoCo's pseudo-gradients). The table: this module's docstring.
+    - ``op``: "avg" (N ranks at batch B step like one process at batch N*B) or "sum", times ``scale``.
+    - ``weight``: this rank's weight (a number or 0-d mx.array: its tokens, say): the result is
+      ``sum_r w_r g_r / sum_r w_r`` (zeros if every weight is 0), as one process on the union.
+    - ``compression``: ``mx.bfloat16``/``mx.float16`` (or their names), pre-divided by N so that
+      the sum cannot overflow (MPIBackend sends float32); ``"int8"``: ``127 // N`` levels a side
+      of a per-array scale found in one small allgather (for DiLoCo's pseudo-gradients).
     - ``bucket_bytes``: arrays smaller than this travel packed by dtype, this many bytes a
-      collective (0: each alone; default ``GRADIENT_BUCKET_BYTES``, 32 MiB).
-    - ``verify``: first check that every rank passes the same tree and weighting (one 32-byte
-      allgather; not while MLX traces), else ``TreeMismatchError`` on every rank. ``what``
-      names the call in errors.
+      collective (0: each alone; default 32 MiB).
+    - ``verify``: first check, in one 32-byte allgather, that every rank passes the same tree
+      and weighting (not while MLX traces), else ``TreeMismatchError`` naming ``what`` on every rank.
 
-    On MPIBackend the gradients are reduced in their own memory when they can be (evaluated,
-    contiguous, not sharing memory): those arrays then hold the result. In a world of one they
-    come back as they are (scaled if ``scale`` is not 1).
+    On MPIBackend, arrays that can be (evaluated, contiguous, not sharing memory) are reduced
+    in their own memory and hold the result. In a world of one they come back as they are.
     """
     reduction = Reduction(backend, op, compression, bucket_bytes)
     weight = None if weight is None else as_weight(weight)
@@ -68,14 +62,13 @@ class Reduction:
 
     @property
     def scatters(self) -> bool:
-        """Whether ``reduce_scatter`` should serve a rank that needs only its part: the transport
-        has its own (half an all-reduce's traffic), and no int8 scales must travel first."""
+        """Whether ``reduce_scatter`` serves a rank that needs only its part: the transport has its
+        own (half an all-reduce's traffic) and no int8 scales travel first."""
         return self.backend.native_reduce_scatter and self.compression != "int8"
 
     def leaves(self, tree, weight, what, verify=True) -> list:
-        """Collective: ``[(key, array)]``, the mx.arrays of ``tree``, once every rank is found to
-        pass the same tree, weighted alike (else ``TreeMismatchError`` on every rank); a
-        TypeError for an array that is not floating."""
+        """Collective: ``[(key, array)]``, the (floating, else TypeError) mx.arrays of ``tree``, once
+        every rank passes the same tree, weighted alike (else ``TreeMismatchError``)."""
         if weight is not None and self.op != "avg":
             raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {self.op!r}")
         if verify and self.backend.size > 1 and evaluate(tree):  # (not while MLX traces)
@@ -84,13 +77,11 @@ class Reduction:
         return floating_leaves(tree, what)  # after the check: the same error on every rank
 
     def allreduce(self, leaves, scale=1.0, weight=None) -> list:
-        """Collective: each of ``leaves`` (floating mx.arrays) reduced across ranks, times
-        ``scale``; ``weight``: this rank's (a 0-d float32 mx.array), for the weighted mean."""
+        """Collective: each of ``leaves`` reduced, times ``scale`` (``weight``: this rank's, 0-d float32)."""
         return self.start(leaves, scale, weight, later=False)()
 
     def start(self, leaves, scale=1.0, weight=None, later=True):
-        """Collective: ``allreduce``, started; returns the function that waits for its result.
-        ``later``: the big transfers run while this rank computes (``collectives.start_sum``)."""
+        """Collective: ``allreduce``, started (``later``: while this rank computes); returns its wait."""
         if self.backend.size == 1 and weight is None:
             alone = leaves if scale == 1.0 else [g * scale for g in leaves]
             return lambda: alone
@@ -110,8 +101,8 @@ class Reduction:
         return result
 
     def reduce_scatter(self, flats, scale=1.0, weight=None) -> list:
-        """Collective: for each of ``flats`` (1-d, their lengths multiples of N), this rank's
-        part of what ``allreduce`` gives, through the transport's reduce-scatter (``scatters``)."""
+        """Collective: this rank's part of what ``allreduce`` gives for each of ``flats`` (1-d, their
+        lengths multiples of N), by the transport's reduce-scatter."""
         _raise_cache_limit(4 * sum(flat.nbytes for flat in flats))
         total = None if weight is None else allreduce_arrays(self.backend, [weight.reshape(1)], "sum")[0]
         unit = 1.0 if self.compression is None else float(self.backend.size)
@@ -120,8 +111,8 @@ class Reduction:
         return [_scaled(reduce_scatter_sum(self.backend, s), factor, flat.dtype) for s, flat in zip(sent, flats)]
 
     def _units(self, leaves, weight):
-        """Per leaf, what one unit on the wire is worth; and the total weight when the int8
-        scales brought it already (one allgather of every array's largest magnitude)."""
+        """Per leaf, what one unit on the wire is worth; and the total weight if int8's allgather
+        (of each array's largest magnitude) brought it."""
         n = self.backend.size
         if self.compression != "int8":
             return [1.0 if self.compression is None else float(n)] * len(leaves), None
@@ -144,8 +135,7 @@ class Reduction:
 
 
 def as_compression(compression):
-    """None, ``mx.bfloat16``, ``mx.float16`` or ``"int8"``, from those or their names (a
-    ValueError for anything else)."""
+    """None, ``mx.bfloat16``, ``mx.float16`` or ``"int8"``, from those or their names."""
     name = compression if compression is None or isinstance(compression, str) else str(compression)
     name = name if name is None else name.removeprefix("mlx.core.")
     if name not in (None, "bfloat16", "float16", "int8"):
@@ -164,8 +154,7 @@ def as_weight(weight) -> mx.array:
 
 
 def _bucketed(backend, arrays, scale, bucket_bytes, later=False):
-    """The function that gives the sum of each of ``arrays`` across ranks times ``scale``, the
-    small ones packed; the sums run now, or, ``later``, while this rank computes."""
+    """The wait for the sums of ``arrays`` times ``scale``, small ones packed (run now, or ``later``)."""
     groups = buckets(arrays, bucket_bytes)
     packed = [pack(arrays, g) for g in groups]
     # in place: the packer's copies, or the caller's own arrays (as documented)
@@ -194,8 +183,7 @@ def _fused(dtype):  # shapeless, and the scale an array: one trace for every sha
 
 
 def _raise_cache_limit(nbytes: int):
-    """MLX's CPU cache keeps 32 MiB by default: every larger buffer a step frees is unmapped
-    and mapped anew the next step (page faults and zeroing, several memory passes)."""
+    """MLX's cache keeps 32 MiB by default: a larger buffer freed each step is mapped anew each step."""
     previous = mx.set_cache_limit(nbytes)
     if previous > nbytes:
         mx.set_cache_limit(previous)

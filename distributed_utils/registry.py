@@ -11,13 +11,10 @@ _BACKENDS = {}
 
 
 def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> AbstractBackend:
-    """Start ``backend_type`` (a class such as ``du.MPIBackend``) in this process; collective.
-
-    Idempotent: later calls return the backend started first. With no argument, the
-    backend that ``du-launch`` started (or MPI under ``mpirun``, else a world of one).
-    ``timeout``: seconds after which a collective that has not finished ends the job
-    (default ``DU_TIMEOUT``, else 300; 0: never); ``debug``: check every collective's
-    op, shapes and dtypes across ranks first (default ``DU_DEBUG``). Pass the same on every rank.
+    """Collective: start ``backend_type`` (``du.MPIBackend``, say; by default the one the
+    launcher started, else a world of one) once; later calls return it. ``timeout``: seconds
+    after which an unfinished collective ends the job (default ``DU_TIMEOUT``, else 300; 0:
+    never); ``debug``: check each collective across ranks first (default ``DU_DEBUG``).
     """
     if backend_type is None:
         name = environment.launched_backend_name()
@@ -37,26 +34,19 @@ def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> Abst
 
 
 def _handshake(backend):
-    """Learn ``node_rank``, and check that every rank belongs to the job the launcher
-    started (two jobs on one port cross-connect)."""
+    """Learn ``node_rank``; check that every rank is of this job (two jobs on one port cross-connect)."""
     expected = environment.expected_world_size()
     if expected is not None and expected != backend.size:
         raise environment.BackendUnavailableError(
-            f"{type(backend).__name__}: {environment.launcher_name()} started {expected} processes but this backend sees "
-            f"a world of {backend.size}; launch it with `du-launch --backend {backend.launch_name}`, or "
+            f"{type(backend).__name__}: {environment.launcher_name()} started {expected} processes but this backend "
+            f"sees a world of {backend.size}; launch it with `du-launch --backend {backend.launch_name}`, or "
             f"initialize the backend this job was started for (du.initialize() with no argument: "
-            f"{environment.launched_backend_name()})"
-        )
-    peers = allgather(backend, (socket.gethostname(), environment.job_id()))
-    by_job = {}
-    for rank, (_, job) in enumerate(peers):
-        by_job.setdefault(job, []).append(rank)
-    if len(by_job) > 1:
-        raise RuntimeError(
-            f"{type(backend).__name__}: rank {backend.rank} is connected to processes of another "
-            f"job (ranks by job id: {by_job}); two jobs share a port"
-        )
-    hosts = [host for host, _ in peers]
+            f"{environment.launched_backend_name()})")
+    hosts, jobs = zip(*allgather(backend, (socket.gethostname(), environment.job_id())))
+    if len(set(jobs)) > 1:
+        by_job = {job: [r for r, j in enumerate(jobs) if j == job] for job in dict.fromkeys(jobs)}
+        raise RuntimeError(f"{type(backend).__name__}: rank {backend.rank} is connected to processes of another "
+                           f"job (ranks by job id: {by_job}); two jobs share a port")  # fmt: skip
     backend.node_rank = hosts[: backend.rank].count(hosts[backend.rank])
 
 
@@ -70,10 +60,8 @@ def get_distributed_backend(backend_type) -> AbstractBackend:
     """The backend object that ``initialize(backend_type)`` started."""
     _check_backend_type(backend_type)
     if backend_type not in _BACKENDS:
-        raise RuntimeError(
-            f"{backend_type.__name__} is not initialized: call "
-            f"du.initialize(du.{backend_type.__name__}) first (on every rank)"
-        )
+        name = backend_type.__name__
+        raise RuntimeError(f"{name} is not initialized: call du.initialize(du.{name}) first (on every rank)")
     return _BACKENDS[backend_type]
 
 
@@ -94,14 +82,10 @@ def node_rank(backend) -> int:
 
 def _check_backend_type(backend_type):
     if isinstance(backend_type, AbstractBackend):
-        raise TypeError(
-            f"expected a backend class such as du.{type(backend_type).__name__}, "
-            f"got the backend instance {backend_type!r}"
-        )
+        raise TypeError(f"expected a backend class such as du.{type(backend_type).__name__}, "
+                        f"got the backend instance {backend_type!r}")  # fmt: skip
     if not (isinstance(backend_type, type) and issubclass(backend_type, AbstractBackend)):
-        raise TypeError(
-            f"expected a backend class (one of du.{', du.'.join(c.__name__ for c in BY_LAUNCH_NAME.values())}), "
-            f"got {backend_type!r}"
-        )
+        names = ", du.".join(c.__name__ for c in BY_LAUNCH_NAME.values())
+        raise TypeError(f"expected a backend class (one of du.{names}), got {backend_type!r}")
     if backend_type in (AbstractBackend, MLXBackend):
         raise TypeError(f"{backend_type.__name__} is abstract; use one of its subclasses")

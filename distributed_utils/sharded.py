@@ -1,14 +1,8 @@
-"""Sharded optimizer state (ZeRO stage 1): each rank keeps the optimizer state of its share of
-the parameters, about 1/N of it. With the parameters laid out as one flat vector per dtype,
-padded to a multiple of N, rank r owns shard r, and a step is:
-
-1. the gradients reduced, and this rank's shard taken: one reduce-scatter where the transport
-   has its own (NCCL, JACCL); elsewhere the usual all-reduce, then the slice (measured: Open
-   MPI's reduce-scatter is slower than its all-reduce in pieces, and needs a flat copy);
-2. this rank's optimizer updates its shard of the parameters, with its shard of the state;
-3. the updated shards all-gathered into the whole parameters, the same on every rank.
-
-Exact for optimizers that work element by element (``ELEMENTWISE``).
+"""Sharded optimizer state (ZeRO stage 1), exact for element-by-element optimizers. With the
+parameters laid out as one flat vector per dtype, padded to a multiple of N, rank r owns shard
+r, and a step is: the gradients reduced and this rank's shard taken (one reduce-scatter where
+the transport has its own; elsewhere the all-reduce, then the slice: Open MPI's reduce-scatter
+was measured slower); its optimizer updates its shard; the shards are all-gathered.
 """
 
 import mlx.core as mx
@@ -32,16 +26,14 @@ def check_elementwise(optimizer):
         "Muon": "it orthogonalizes each matrix's update as a whole",
     }.get(type(optimizer).__name__, "it is not known to update each element on its own")
     names = ", ".join(c.__name__ for c in ELEMENTWISE) + " (and AdamW, a subclass of Adam)"
-    raise ValueError(
-        f"shard_optimizer_state=True splits the optimizer state element by element, which is exact only "
-        f"for {names}; {type(optimizer).__name__} cannot be split so: {why}. Use shard_optimizer_state=False"
-    )
+    raise ValueError(f"shard_optimizer_state=True splits the optimizer state element by element, which is exact "
+                     f"only for {names}; {type(optimizer).__name__} cannot be split so: {why}. Use "
+                     "shard_optimizer_state=False")
 
 
 class Layout:
-    """Where each gradient leaf lies in one flat vector per dtype (in ``tree_flatten`` order),
-    padded to a multiple of the world size. Rank r's **shard** of a vector is its r-th part,
-    ``shard_size[dtype name]`` elements; a **slice** is a shard's overlap with one leaf
+    """Where each leaf lies in one flat vector per dtype, padded to a multiple of the world size.
+    Rank r's **shard** is a vector's r-th part; a **slice**, a shard's overlap with one leaf
     (``slices``: key -> (dtype name, start, stop) in the flat leaf)."""
 
     def __init__(self, leaves, size, rank):
@@ -64,7 +56,7 @@ class Layout:
         return self.signature == [(key, a.shape, a.dtype) for key, a in leaves]
 
     def my_slices(self, arrays: dict) -> dict:
-        """``{key: this rank's slice of arrays[key]}``, 1-d (views: no copies)."""
+        """``{key: this rank's slice of arrays[key]}``, 1-d."""
         return {key: arrays[key].reshape(-1)[a:b] for key, (_, a, b) in self.slices.items()}
 
     def flatten(self, arrays: dict, name: str) -> mx.array:
@@ -73,7 +65,7 @@ class Layout:
         return _padded(flat, self.shard_size[name] * self.size, name)
 
     def shard(self, slices: dict, name: str) -> mx.array:
-        """This rank's shard of group ``name``'s flat vector, from its slices (``my_slices``'s form)."""
+        """This rank's shard of group ``name``, from its slices (``my_slices``'s form)."""
         return _padded([slices[key] for key, *_ in self.groups[name] if key in self.slices], self.shard_size[name], name)
 
     def slices_of(self, shard: mx.array, name: str) -> dict:
@@ -99,9 +91,8 @@ def _padded(parts, length, dtype_name) -> mx.array:
 
 
 class ShardedState:
-    """The sharded update of one ``DistributedOptimizer``. Its wrapped ``optimizer`` holds the
-    state of this rank's slices of the parameters, keyed by the parameters' names
-    (``opt.state["layers.0.weight"]["m"]``: a 1-d slice of that parameter's moment)."""
+    """The sharded update of one ``DistributedOptimizer``, whose ``optimizer`` holds the state
+    of this rank's 1-d slices by the parameters' names (``opt.state["layers.0.weight"]["m"]``)."""
 
     def __init__(self, backend, optimizer, reduction):
         """``reduction``: how the gradients are reduced (the owner's ``Reduction``)."""
@@ -111,8 +102,7 @@ class ShardedState:
         self._pending = None  # a whole state loaded before the layout was known
 
     def step(self, gradients, parameters, scale, weight, what):
-        """Collective: the updated parameters for the keys of ``gradients`` (a tree), from
-        every rank's ``gradients`` reduced by ``reduction`` (``weight``: this rank's, or None)."""
+        """Collective: the updated parameters at the keys of ``gradients``, reduced by ``reduction``."""
         leaves = self.reduction.leaves(gradients, weight, what)
         layout = self._layout(leaves)
         # Nothing here holds the slices while the all-gather evaluates the update: MLX can then
@@ -131,9 +121,7 @@ class ShardedState:
         self.optimizer.init(layout.my_slices(dict(tree_flatten(parameters))))
 
     def whole_state(self) -> dict:
-        """Collective: the state as the wrapped optimizer would hold it unsharded (per
-        parameter, nested like the parameters), gathered from every rank's slices: what a
-        checkpoint holds."""
+        """Collective: the state as it would be unsharded, gathered from every rank's slices."""
         if self.layout is None or self._pending is not None:
             return self._pending if self._pending is not None else self.optimizer.state
         layout, state = self.layout, self.optimizer.state
@@ -149,8 +137,7 @@ class ShardedState:
         return {**whole, **tree_unflatten(list(per_key.items()))}
 
     def load_whole_state(self, state: dict):
-        """Take this rank's slices of ``state`` (``whole_state``'s form); kept until the layout
-        is known (the first update or ``init``) when it is not yet."""
+        """Take this rank's slices of ``state`` (``whole_state``'s form), once the layout is known."""
         self._pending = state
         if self.layout is not None:
             self._apply_pending()
@@ -161,11 +148,9 @@ class ShardedState:
             if self._pending is not None:
                 self._apply_pending()
         elif not self.layout.fits(leaves):
-            raise ValueError(
-                "DistributedOptimizer(shard_optimizer_state=True): the gradient tree changed (keys, shapes or "
-                "dtypes) since the state was sharded; its slices no longer fit. Keep the same trainable "
-                "parameters, or save a checkpoint and load it into a new DistributedOptimizer"
-            )
+            raise ValueError("DistributedOptimizer(shard_optimizer_state=True): the gradient tree changed (keys, "
+                             "shapes or dtypes) since the state was sharded; its slices no longer fit. Keep the same "
+                             "trainable parameters, or save a checkpoint and load it into a new DistributedOptimizer")
         return self.layout
 
     def _apply_pending(self):

@@ -15,21 +15,15 @@ from .tree import BROADCAST_BUCKET_BYTES, TreeMismatchError, buckets, describe, 
 
 
 def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
-    """Collective: ``x`` with root's values, on every rank (on root, and in a world of one,
-    ``x`` itself).
+    """Collective: ``x`` with root's values on every rank (on root, ``x`` itself), bit for bit.
 
-    - ``mx.array`` and numpy arrays arrive bit for bit (numpy ones as new numpy arrays).
-    - Trees (dict, list, tuple, namedtuple) come with root's containers and non-array leaves
-      (numbers, None, str, any picklable object).
-    - An ``nn.Module`` gets root's ``parameters()`` (frozen ones and buffers included), in place
-      (``trainable_only``: only its trainable ones, such as adapters over a shared frozen base).
-    - An ``Optimizer`` gets root's ``state``, in place; it must exist (``opt.init(...)``, or
-      ``model=`` to initialize it from the model). A sharded ``DistributedOptimizer`` keeps
-      its own slices; only the step and learning rate come from root.
-
-    Every rank must hold arrays at the same keys with the same shapes and dtypes, else
-    ``TreeMismatchError`` on every rank naming the first differing key. The arrays travel as
-    bits packed in ``BROADCAST_BUCKET_BYTES`` buckets; the rest in one pickle.
+    Arrays (numpy ones as new numpy arrays); trees (dict, list, tuple, namedtuple) with root's
+    containers and other leaves (any picklable object); an ``nn.Module``'s ``parameters()``,
+    in place (``trainable_only``: the trainable ones); an ``Optimizer``'s existing ``state``, in
+    place (``model=``: initialized from the model first; a sharded ``DistributedOptimizer``
+    keeps its own slices). Every rank holds arrays at the same keys, shapes and dtypes, else
+    ``TreeMismatchError`` on every rank. Arrays travel as bits in ``BROADCAST_BUCKET_BYTES``
+    buckets, the rest in one pickle.
     """
     check_root(backend, root)
     what = f"du.synchronize({type(x).__name__})"
@@ -100,14 +94,14 @@ def _travels_as_bits(leaf) -> bool:
 
 
 def _stand_in(leaf):
-    """What root sends for ``leaf``: a ``_Slot`` for an array, else the leaf itself."""
+    """What root sends for ``leaf``: a ``_Slot`` for an array, else the leaf."""
     if isinstance(leaf, (Module, Optimizer)):
         raise TypeError(f"a tree holds a {type(leaf).__name__}: synchronize it on its own")
     return _Slot(leaf) if _travels_as_bits(leaf) else leaf
 
 
 class _Slot:
-    """Stands for one of root's arrays in the tree root sends; ``rebuild`` makes it from bits."""
+    """Stands for one of root's arrays in the tree it sends; ``rebuild`` makes it from bits."""
 
     def __init__(self, a):
         self.numpy, self.shape = isinstance(a, np.ndarray), a.shape

@@ -1,7 +1,5 @@
-"""Trees of arrays: their leaves by key path, the packer that carries many arrays in few
-collectives, and the cross-rank check that every rank holds the same structure. The byte
-sizes, side by side with the others, and how they were measured: docs/architecture.md.
-"""
+"""Trees of arrays: their leaves, the packer that carries many arrays in few collectives, and
+the check that every rank holds the same structure (the bucket sizes: docs/architecture.md)."""
 
 import hashlib
 import itertools
@@ -23,8 +21,7 @@ class TreeMismatchError(ValueError):
 
 
 def floating_leaves(tree, what: str) -> list:
-    """``[(key, array)]``, the mx.arrays of ``tree``; a TypeError naming the first that is not
-    floating (gradients, and the parameters an optimizer updates, are)."""
+    """``[(key, array)]``, the mx.arrays of ``tree``; a TypeError naming one that is not floating."""
     leaves = [(key, a) for key, a in tree_flatten(tree) if isinstance(a, mx.array)]
     for key, a in leaves:
         if not mx.issubdtype(a.dtype, mx.inexact):
@@ -42,10 +39,8 @@ def replace_arrays(tree, arrays):
 
 
 def buckets(arrays, limit: int) -> list:
-    """The indices of ``arrays`` grouped for packing: consecutive arrays of one dtype (arrays
-    of other dtypes between them do not count), up to ``limit`` bytes a bucket. An array of
-    ``limit`` bytes or more travels alone and closes its dtype's bucket; with ``limit`` 0
-    every array travels alone."""
+    """The indices of ``arrays`` grouped for packing: arrays of one dtype in order, up to ``limit``
+    bytes a bucket; an array of ``limit`` bytes or more travels alone (0: every array)."""
     groups, filling = [], {}  # filling: the bucket being filled, and its bytes, by dtype
     for i, a in enumerate(arrays):
         bucket, nbytes = filling.get(a.dtype, (None, 0))
@@ -80,17 +75,13 @@ def unpack(flat, arrays, bucket) -> list:
 
 
 def describe(tree) -> list:
-    """``[(key, signature), ...]`` for the leaves of ``tree`` in flattening order (an array's
-    signature is ``(dtype, shape)``, any other leaf's its type name)."""
+    """``[(key, signature)]`` of ``tree``'s leaves: ``(dtype, shape)`` for arrays, else the type name."""
     return [(key, signature(leaf)) for key, leaf in tree_flatten(tree)]
 
 
 def verify_same_structure(backend, description: list, what: str):
-    """Collective: returns if every rank passed the same ``description`` (from ``describe``);
-    otherwise raises TreeMismatchError on every rank, naming the first differing key, what
-    each rank has there, and which ranks differ from rank 0.
-
-    Costs one allgather of a 32-byte digest when the trees agree."""
+    """Collective: one allgather of a 32-byte digest; if the ranks' ``description``s (``describe``)
+    differ, TreeMismatchError on every rank naming the first differing key and each rank's leaf."""
     digest = np.frombuffer(hashlib.sha256(pickle.dumps(description)).digest(), np.uint8)
     digests = allgather(backend, digest).reshape(backend.size, -1)
     if (digests == digests[0]).all():

@@ -1,13 +1,13 @@
 """The watchdog: a collective that does not finish in time ends the job with a report, not a hang.
 
-``collectives``' door runs every collective inside ``Collective(...)``: a sequence number and
-an entry in this process's table of regions in flight. A daemon thread checks the table; past
-its timeout an entry is reported (what this rank waits on, since when), and after ``GRACE``
-seconds (for the other ranks to report theirs) the process ends with ``EXIT_CODE`` through
-``os._exit``: the main thread is stuck in C code. The launcher then stops the other ranks.
+Every collective runs inside ``Collective(...)``: a sequence number and an entry in a table of
+regions in flight, which a daemon thread checks. Past its timeout an entry is reported, and
+after ``GRACE`` seconds (for the other ranks' reports) ``os._exit(EXIT_CODE)`` ends the process
+(the main thread is stuck in C code); the launcher stops the other ranks.
 """
 
 import contextlib
+import faulthandler
 import os
 import sys
 import threading
@@ -42,9 +42,9 @@ def configure(timeout=None, debug=None):
     """Set this process's timeout in seconds (0: never) and debug mode. ``None`` keeps the current
     setting, initially ``DU_TIMEOUT`` (default 300) and ``DU_DEBUG`` (default off)."""
     if timeout is None and _state.timeout is None:
-        value = os.environ.get("DU_TIMEOUT", "")
+        value = os.environ.get("DU_TIMEOUT") or DEFAULT_TIMEOUT
         try:
-            timeout = float(value) if value else DEFAULT_TIMEOUT
+            timeout = float(value)
         except ValueError:
             raise ValueError(f"DU_TIMEOUT={value!r} is not a number of seconds") from None
     if timeout is not None:
@@ -64,11 +64,9 @@ def debug() -> bool:
 
 
 class Collective:
-    """``with Collective(rank, what, details, arrays) as call``: watch one collective of this rank.
-    ``what`` ("allreduce"), its ``details`` ("sum", "root=1") and its arrays (None, an array or
-    a list of them) are shown by signature only when a report or the debug check asks (a
-    signature costs microseconds; most calls need none). ``call`` comes with its sequence
-    number, or as None when nested in another collective (and part of it)."""
+    """``with Collective(rank, what, details, arrays) as call``: watch one collective of this rank
+    (``call`` is None when nested in another: part of it). ``what`` ("allreduce"), ``details``
+    ("sum") and the arrays are shown (``text``) only when asked: a signature costs microseconds."""
 
     start = None  # when it began, once registered
 
@@ -92,20 +90,13 @@ class Collective:
             _state.waited += time.monotonic() - self.start
             _state.done = self.seq
 
-    def report(self) -> str:
-        """``allreduce(sum) float32(1024,)``: what the watchdog prints."""
-        text = f"{self.what}({', '.join(self.details)})" if self.details else self.what
-        if isinstance(self.arrays, list):
-            shown = ", ".join(show(signature(a)) for a in self.arrays[:3])
-            return f"{text} [{len(self.arrays)} arrays: {shown}{', ...' if len(self.arrays) > 3 else ''}]"
-        return text if self.arrays is None else f"{text} {show(signature(self.arrays))}"
-
-    def key(self) -> str:
-        """``#5 allreduce(float32(3,), sum)``: what must agree across ranks (debug mode)."""
-        arrays = self.arrays
-        shown = [] if arrays is None else [
-            f"[{', '.join(show(signature(a)) for a in arrays)}]" if isinstance(arrays, list) else show(signature(arrays))]
-        return f"#{self.seq} {self.what}({', '.join(shown + list(self.details))})"
+    def text(self, limit=None) -> str:
+        """``#5 allreduce(float32(3,), sum)``: what reports show (the first ``limit`` arrays) and
+        what must agree across ranks in debug mode."""
+        arrays = self.arrays if isinstance(self.arrays, list) else [] if self.arrays is None else [self.arrays]
+        shown = [show(signature(a)) for a in arrays[:limit]]
+        more = [f"... ({len(arrays)} arrays)"] if limit is not None and len(arrays) > limit else []
+        return f"#{self.seq} {self.what}({', '.join(shown + more + list(self.details))})"
 
 
 class _Region:
@@ -116,20 +107,15 @@ class _Region:
 
 
 def waited() -> float:
-    """Seconds this process has spent inside collectives (waiting for the others, and the
-    transfer): a step's time less this is its own work (``batches(share="auto")``)."""
+    """Seconds this process has spent in collectives: the rest of a step is its own work."""
     return _state.waited
 
 
 @contextlib.contextmanager
 def watch(what: str, timeout=None):
     """Put a region under the watchdog: if it runs longer than ``timeout`` (default: the
-    library's), this rank reports it and exits. For work of your own that waits on other
-    ranks, or a compiled step whose collectives run at your ``mx.eval``:
-
-        with du.watch("train step"):
-            loss, grads = step(x, y)
-            mx.eval(loss, model.parameters(), opt.state)
+    library's), this rank reports it and exits. For work that waits on other ranks, such as a
+    compiled step whose collectives run at your ``mx.eval``: ``with du.watch("train step"): ...``.
     """
     configure()
     region = _register(_Region(what, _state.rank, _state.timeout if timeout is None else float(timeout)))
@@ -141,19 +127,15 @@ def watch(what: str, timeout=None):
 
 @contextlib.contextmanager
 def connecting(what: str):
-    """``watch`` for a transport's start. MLX's ring holds Python's GIL while it connects, so
-    the watchdog thread cannot run: faulthandler's C thread backs it up, printing where the
-    process is stuck ("Timeout (...)!" and a traceback through ``initialize``) and exiting 1."""
+    """``watch`` for a transport's start. MLX's ring holds the GIL while it connects: the C thread
+    of faulthandler backs the watchdog up (a "Timeout" traceback through ``initialize``, exit 1)."""
     configure()
-    armed = False
-    if _state.timeout:
-        try:
-            import faulthandler
-
+    armed = bool(_state.timeout)
+    try:
+        if armed:
             faulthandler.dump_traceback_later(_state.timeout + GRACE, exit=True, file=sys.__stderr__)
-            armed = True
-        except (AttributeError, ValueError, OSError):  # no usable stderr: the thread alone
-            pass
+    except (AttributeError, ValueError, OSError):  # no usable stderr: the thread alone
+        armed = False
     try:
         with watch(what):
             yield
@@ -178,8 +160,7 @@ def _start_thread():
 
 
 def exit_with_launcher():
-    """From now on, end this process when its parent (du-launch, or mpirun's daemon) is gone:
-    a launcher killed by SIGKILL cannot stop its ranks itself."""
+    """End this process when its parent (du-launch, or mpirun's daemon) is gone (SIGKILLed, say)."""
     _state.parent = os.getppid()
     _start_thread()
 
@@ -204,7 +185,7 @@ def _expire(entries):
     now = time.monotonic()
     for e in entries:
         rank = launched_rank() if e.rank is None else e.rank
-        name = f"collective #{e.seq} {e.report()}" if isinstance(e, Collective) else f"'{e.what}'"
+        name = f"collective {e.text(limit=3)}" if isinstance(e, Collective) else f"'{e.what}'"
         since = time.strftime("%H:%M:%S", time.localtime(time.time() - (now - e.start)))
         stopped = sum(min(b, now) - max(a, e.start) for a, b in _state.stopped if b > e.start)
         _say(
@@ -217,9 +198,8 @@ def _expire(entries):
 
 
 def _say(message):
-    """Print ``message`` where it can be seen: stderr, the process's own stderr when that is
-    another file (pytest captures sys.stderr), and the launcher's report file (captured output
-    is lost at exit)."""
+    """Print ``message`` to stderr, the process's own stderr when pytest captures sys.stderr,
+    and the launcher's report file (captured output is lost at exit)."""
     streams, path = [sys.stderr, sys.__stderr__], report_path()
     with contextlib.suppress(Exception):  # (a replacement without a file descriptor: write to both)
         if sys.stderr.fileno() == sys.__stderr__.fileno():

@@ -70,7 +70,7 @@ def test_a_collective_a_rank_never_joins_ends_the_job_within_the_timeout(backend
     assert run.returncode == 124, run.stdout  # within launch's 60 s: not the 600 s the missing rank sleeps
     for rank in (0, 2):
         report = re.search(
-            rf"\[rank {rank}\] du watchdog: rank {rank}: collective #\d+ allreduce\(sum\) float32\(1024,\) "
+            rf"\[rank {rank}\] du watchdog: rank {rank}: collective #\d+ allreduce\(float32\(1024,\), sum\) "
             r"waiting since \d\d:\d\d:\d\d \(([\d.]+) s, timeout 3 s",
             run.stdout,
         )  # fmt: skip
@@ -340,7 +340,7 @@ def test_watchdog_reports_reach_the_launcher_under_pytest_capture(tmp_path):  # 
     run = launch(2, "ring", ["--timeout", str(TIMEOUT), "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              str(tmp_path / "test_never_joins.py")], timeout=120)  # fmt: skip
     assert run.returncode == 124, run.stdout
-    assert re.search(r"\[rank 0\] du watchdog: rank 0: collective #\d+ allreduce\(sum\) float32\(7,\)", run.stdout), run.stdout
+    assert re.search(r"\[rank 0\] du watchdog: rank 0: collective #\d+ allreduce\(float32\(7,\), sum\)", run.stdout), run.stdout
 
 
 def test_a_ring_backend_under_plain_mpirun_is_a_clear_error():  # #10

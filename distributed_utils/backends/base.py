@@ -12,14 +12,10 @@ class BackendUnavailableError(RuntimeError):
 
 
 class AbstractBackend(abc.ABC):
-    """A fixed group of processes that run the same collectives in the same order.
-
-    Subclasses set ``rank`` and ``size`` in ``__init__`` and implement the primitives below.
-    Primitives take and return ``mx.array``s (no bool: ``collectives`` sends those as uint8;
-    numpy arrays too for ``allreduce`` with ``host_buffers``), the same shapes and dtypes on
-    every rank; their inputs arrive evaluated, except while MLX traces a function
-    (``mx.compile``), where a transport that needs values raises.
-    """
+    """A fixed group of processes that run the same collectives in the same order. Subclasses
+    set ``rank`` and ``size`` and implement the primitives: on ``mx.array``s of the same shapes
+    and dtypes on every rank (for ``allreduce``: no bools, and numpy too with ``host_buffers``),
+    evaluated, except while MLX traces a function (``mx.compile``)."""
 
     rank: int
     size: int
@@ -35,10 +31,8 @@ class AbstractBackend(abc.ABC):
 
     @abc.abstractmethod
     def allreduce(self, arrays: list, op: str, scale: float = 1.0, in_place: bool = False) -> list:
-        """Each array reduced elementwise over all ranks with ``op`` (one of ``OPS``). With
-        "sum", the result is multiplied by ``scale`` (floating arrays only; the transport picks
-        where: before the sum or after all of them). ``in_place``: the caller hands the
-        arrays over, and the transport may write the results into their memory."""
+        """Each array reduced over all ranks with ``op`` (``OPS``); sums (floating) times ``scale``,
+        before or after. ``in_place``: the arrays are handed over; results may go into them."""
 
     @abc.abstractmethod
     def bcast(self, x, root: int):
@@ -53,16 +47,13 @@ class AbstractBackend(abc.ABC):
         """Returns on each rank once every rank has called it."""
 
     def start_sum(self, arrays: list, scale: float = 1.0) -> list:
-        """Start the sum of each of ``arrays`` over all ranks times ``scale`` (the caller's
-        arrays handed over), for results that may stay unevaluated while the rank computes.
-        Here the transport is eager: the sums are done now (``allreduce``)."""
+        """Start the sum over all ranks of each of ``arrays`` (handed over) times ``scale``;
+        results may stay unevaluated while the rank computes. Here: ``allreduce``, now."""
         return self.allreduce(arrays, "sum", scale, in_place=True)
 
     def reduce_scatter(self, x):
-        """This rank's part of the sum of every rank's ``x``: ``x`` is 1-d, its length a
-        multiple of ``size``, and rank r gets elements ``r * c .. (r + 1) * c - 1``
-        (c = length / size). Here: the whole sum, then the part; a transport with a native
-        reduce-scatter overrides this and sets ``native_reduce_scatter``."""
+        """Rank r's part ``r * c .. (r + 1) * c - 1`` of the sum of every rank's 1-d ``x`` (c =
+        length / size). Here: the whole sum, then the part (a native one sets ``native_reduce_scatter``)."""
         c = x.shape[0] // self.size
         return self.allreduce([x], "sum")[0][self.rank * c : (self.rank + 1) * c]
 

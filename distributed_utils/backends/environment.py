@@ -1,9 +1,6 @@
-"""The contract between the launcher and the backends: every environment variable, how a
-process knows it was launched, where the MPI library is, and the one order in which MLX's
-MPI and mpi4py can share it.
-
-The variables du-launch sets for every rank (``launch.job_environment``), and those other
-launchers set that are read here: docs/architecture.md, "The launcher's contract".
+"""The contract between the launcher and the backends (its variables: docs/architecture.md,
+"The launcher's contract"): how a process knows it was launched, where the MPI library is,
+and the one order in which MLX's MPI and mpi4py can share it.
 """
 
 import json
@@ -17,8 +14,7 @@ from .base import BackendUnavailableError
 
 
 def listen_error(ip: str, port: int):
-    """Why a listening socket cannot bind ``ip:port`` now (as MLX's ring binds: SO_REUSEADDR),
-    or None when it can."""
+    """Why a socket cannot listen on ``ip:port`` now, as MLX's ring would (SO_REUSEADDR), or None."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -32,23 +28,22 @@ def listen_error(ip: str, port: int):
 
 
 def launched_backend_name():
-    """The launch name of the backend this process was started for: ``DU_BACKEND``, else
-    "mpi" under mpirun, else None (a world of one)."""
-    if "DU_BACKEND" in os.environ:
-        return os.environ["DU_BACKEND"]
-    return "mpi" if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ else None
+    """``DU_BACKEND``, else "mpi" under mpirun, else None (a world of one)."""
+    mpirun = "mpi" if _first_set("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") is not None else None
+    return _first_set("DU_BACKEND", default=mpirun)
 
 
 def launcher_name() -> str:
     return "du-launch" if "DU_BACKEND" in os.environ else "mpirun"
 
 
+def _first_set(*names, default=None):
+    return next((os.environ[name] for name in names if name in os.environ), default)
+
+
 def launched_rank() -> str:
     """This process's rank as the launcher set it (before any backend knows it), or "?"."""
-    for key in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if key in os.environ:
-            return os.environ[key]
-    return "?"
+    return _first_set("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", default="?")
 
 
 def report_path():
@@ -59,10 +54,8 @@ def report_path():
 
 def expected_world_size():
     """The number of processes the launcher (du-launch, or mpirun) started, or None."""
-    for key in ("DU_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return None
+    size = _first_set("DU_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    return None if size is None else int(size)
 
 
 def job_id():
@@ -71,24 +64,18 @@ def job_id():
 
 def launched_by_mpirun() -> bool:
     """Whether mpirun started this process in a job of more than one process."""
-    return int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", 1))) > 1
+    return int(_first_set("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1)) > 1
 
 
 def launched_for(mlx_name: str) -> bool:
-    """Whether a launcher started this process as a rank of a job on MLX's ``mlx_name``
-    backend (otherwise it is a world of one)."""
-    if mlx_name == "ring":
-        return "MLX_HOSTFILE" in os.environ
+    """Whether a launcher started this process as a rank on MLX's ``mlx_name`` backend."""
     if mlx_name == "mpi":
         return launched_by_mpirun()
-    if mlx_name == "nccl":
-        return "MLX_WORLD_SIZE" in os.environ
-    return "MLX_IBV_DEVICES" in os.environ  # jaccl
+    return {"ring": "MLX_HOSTFILE", "nccl": "MLX_WORLD_SIZE", "jaccl": "MLX_IBV_DEVICES"}[mlx_name] in os.environ
 
 
 def check_ring_addresses():
-    """Raise a clear error unless this rank can listen on its MLX_HOSTFILE addresses (MLX
-    would only say "Couldn't bind socket (error: 98)")."""
+    """Raise unless this rank can listen on its MLX_HOSTFILE addresses (MLX: "Couldn't bind socket")."""
     path = os.environ["MLX_HOSTFILE"]
     with open(path) as f:
         hosts = json.load(f)
@@ -101,10 +88,9 @@ def check_ring_addresses():
         ip, _, port = address.rpartition(":")
         error = listen_error(ip, int(port))
         if error:
-            raise BackendUnavailableError(
-                f"RingBackend: rank {rank} cannot listen on {address} (from MLX_HOSTFILE): {error}"
-                + (": another program or job holds the port" if "in use" in error else "")
-            )
+            held = ": another program or job holds the port" if "in use" in error else ""
+            raise BackendUnavailableError(f"RingBackend: rank {rank} cannot listen on {address} (from MLX_HOSTFILE): "
+                                          f"{error}{held}")  # fmt: skip
 
 
 # --- MPI -------------------------------------------------------------------------------
@@ -137,13 +123,9 @@ _mlx_mpi_started = False
 
 
 def start_mlx_mpi():
-    """Initialize MLX's MPI backend once, before mpi4py can; a no-op outside ``mpirun``.
-
-    MLX's MPI backend calls MPI_Init itself and fails (silently: a world of one) when mpi4py
-    initialized MPI first, while mpi4py accepts an MPI that is already initialized. So
-    whoever starts MPI in this process starts MLX's side first. Raises
-    BackendUnavailableError when that is impossible: no libmpi, or mpi4py was first.
-    """
+    """Initialize MLX's MPI backend once, under ``mpirun``, before mpi4py: MLX's fails silently (a
+    world of one) after mpi4py's MPI_Init, while mpi4py accepts MLX's. BackendUnavailableError
+    when it cannot: no libmpi, or mpi4py was first."""
     global _mlx_mpi_started
     import mlx.core as mx
 
@@ -157,10 +139,8 @@ def start_mlx_mpi():
         )  # fmt: skip
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized():
-        raise BackendUnavailableError(
-            "MLX's MPI backend cannot start after mpi4py initialized MPI in this process; "
-            "initialize MLXMPIBackend or MPIBackend (which starts MLX's side first) before "
-            "importing mpi4py.MPI yourself"
-        )
+        raise BackendUnavailableError("MLX's MPI backend cannot start after mpi4py initialized MPI in this process; "
+                                      "initialize MLXMPIBackend or MPIBackend (which starts MLX's side first) before "
+                                      "importing mpi4py.MPI yourself")  # fmt: skip
     mx.distributed.init(strict=True, backend="mpi")
     _mlx_mpi_started = True

@@ -1,10 +1,8 @@
 """Backends on MLX's own ``mx.distributed``: ring (TCP), MPI, NCCL (CUDA) and JACCL (RDMA).
 
-Collectives are lazy graph nodes (``collectives`` evaluates them, except inside ``mx.compile``). They
-run on the CPU stream (NCCL's on the GPU): on a Mac, a collective waiting on the network from
-the GPU stream can be killed by macOS's GPU watchdog. What ``mx.distributed`` lacks is built from what it has:
-broadcast is an integer all_sum of the root's bits (exact for NaN payloads and -0.0), and
-prod gathers and multiplies.
+Collectives are lazy graph nodes on the CPU stream (NCCL's on the GPU: on a Mac, macOS's GPU
+watchdog can kill a GPU stream that waits on the network). Broadcast is an integer all_sum of
+root's bits (exact for NaN payloads and -0.0); prod gathers and multiplies.
 """
 
 import mlx.core as mx
@@ -101,8 +99,7 @@ class MLXMPIBackend(MLXBackend):
 
 
 class _NativeReduceScatter:
-    """For the transports that have ``mx.distributed.sum_scatter`` (the ring and MLX's MPI
-    raise "not supported": they sum the whole and take the part, as AbstractBackend does)."""
+    """For the transports with ``mx.distributed.sum_scatter`` (the ring's and MPI's raise)."""
 
     native_reduce_scatter = True
 

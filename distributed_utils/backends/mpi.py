@@ -16,14 +16,10 @@ _NARROW_FLOATS = {mx.float16, mx.bfloat16}  # no MPI type: reduced in float32, r
 
 
 class MPIBackend(AbstractBackend):
-    """MPI through mpi4py, on evaluated host buffers: an ``mx.array`` is read through a
-    zero-copy numpy view of its memory, and results are reduced in place, in the array's own
-    memory when the caller hands it over (``in_place``), else in a copy. ``du.allreduce`` of a
-    number or numpy array stays in numpy (``host_buffers``): no MLX array costs microseconds.
-
-    While MLX traces a function (``mx.compile``) there are no buffers yet: the collectives
-    then become MLX's own MPI ops on the same processes (``MLXMPIBackend``, started with this
-    backend), part of the compiled graph."""
+    """MPI through mpi4py on host buffers: an ``mx.array``'s memory read through a numpy view, and
+    reduced in place in it when handed over (``in_place``), else in a copy; numbers and numpy
+    arrays stay in numpy (``host_buffers``). While MLX traces a function (``mx.compile``) the
+    collectives are MLX's own MPI ops on the same processes (``MLXMPIBackend``)."""
 
     launch_name = "mpi"
     host_buffers = True
@@ -43,8 +39,7 @@ class MPIBackend(AbstractBackend):
         self._traced = None  # the MLXMPIBackend that runs the collectives of traced functions
 
     def _while_tracing(self, arrays):
-        """The backend for ``arrays``: None when they can be evaluated (this one runs), else
-        MLX's MPI backend on the same processes (MLX is tracing a function)."""
+        """None when ``arrays`` can be evaluated, else (MLX traces) MLX's MPI backend on these processes."""
         if (arrays and isinstance(arrays[0], np.ndarray)) or evaluate(arrays):  # (numpy: host_buffers)
             return None
         if self._traced is None:
@@ -53,16 +48,12 @@ class MPIBackend(AbstractBackend):
             try:
                 self._traced = MLXMPIBackend()
             except BackendUnavailableError as e:
-                raise ValueError(
-                    "MPIBackend reduces evaluated host buffers, so inside mx.compile it needs MLX's own MPI "
-                    f"backend, which cannot start here ({e}): compile the gradient computation and reduce "
-                    "outside it, or use an MLX backend"
-                ) from e
+                raise ValueError("MPIBackend reduces evaluated host buffers, so inside mx.compile it needs MLX's own "
+                                 f"MPI backend, which cannot start here ({e}): compile the gradient computation and "
+                                 "reduce outside it, or use an MLX backend") from e  # fmt: skip
             if (self._traced.rank, self._traced.size) != (self.rank, self.size):
-                raise ValueError(
-                    f"MPIBackend: MLX's MPI backend sees rank {self._traced.rank} of {self._traced.size}, not "
-                    f"{self.rank} of {self.size}; it cannot run this job's collectives inside mx.compile"
-                )
+                raise ValueError(f"MPIBackend: MLX's MPI backend sees rank {self._traced.rank} of {self._traced.size}, "
+                                 f"not {self.rank} of {self.size}; it cannot run this job's collectives in mx.compile")
         return self._traced
 
     def allreduce(self, arrays, op, scale=1.0, in_place=False):
@@ -120,9 +111,8 @@ class MPIBackend(AbstractBackend):
 
 
 def _received(shape, dtype, receive) -> mx.array:
-    """A new mx.array of ``shape`` and numpy ``dtype``, its bytes written by ``receive(bytes)``:
-    a large one straight into its own memory, a small one into numpy's, then copied (a new
-    MLX array costs tens of microseconds, more than copying ``SMALL_BYTES``)."""
+    """A new mx.array of ``shape`` and numpy ``dtype`` written by ``receive(bytes)``: in its own
+    memory, or up to ``SMALL_BYTES`` in numpy's, then copied (cheaper than a new MLX array)."""
     if int(np.prod(shape)) * dtype.itemsize <= SMALL_BYTES:
         buf = np.zeros(shape, dtype)  # (zeros, as mx.zeros: no stale memory if a rank sent less)
         receive(_bytes(buf))
@@ -140,8 +130,7 @@ def _like(result, a):
 
 
 def _unshared(view, taken):
-    """``view`` if its memory overlaps no span in ``taken`` (it joins them), else None; with
-    ``taken`` None (a lone array: reading its address costs microseconds), ``view``."""
+    """``view`` if its memory overlaps no span in ``taken`` (it joins them; None: a lone array), else None."""
     if view is None or taken is None:
         return view
     start = view.__array_interface__["data"][0]

@@ -175,14 +175,16 @@ def test_the_watchdog_numbers_and_describes_collectives(backend):
     assert watchdog._state.seq == start + 2 and watchdog._state.done == start + 2
     assert not watchdog._state.inflight
     def report(what, details, arrays):
-        return watchdog.Collective(0, what, details, arrays).report()
+        return watchdog.Collective(0, what, details, arrays).text(limit=3)
 
-    assert report("allreduce", ("avg",), mx.ones((4, 2), mx.bfloat16)) == "allreduce(avg) bfloat16(4, 2)"
-    assert report("bcast", ("root=1",), np.zeros(3, np.int64)) == "bcast(root=1) int64(3,)"
+    assert report("allreduce", ("avg",), mx.ones((4, 2), mx.bfloat16)) == "#0 allreduce(bfloat16(4, 2), avg)"
+    assert report("bcast", ("root=1",), np.zeros(3, np.int64)) == "#0 bcast(int64(3,), root=1)"
     grads = [mx.ones(3)] * 5
     assert report("allreduce_arrays", ("sum",), grads) == (
-        "allreduce_arrays(sum) [5 arrays: float32(3,), float32(3,), float32(3,), ...]")
-    assert report("bcast_object", ("root=0",), None) == "bcast_object(root=0)"
+        "#0 allreduce_arrays(float32(3,), float32(3,), float32(3,), ... (5 arrays), sum)")
+    assert report("bcast_object", ("root=0",), None) == "#0 bcast_object(root=0)"
+    assert watchdog.Collective(0, "allreduce_arrays", ("sum",), grads).text() == (
+        "#0 allreduce_arrays(" + ", ".join(["float32(3,)"] * 5) + ", sum)")
 
 
 def test_a_directory_of_checkpoints_falls_back_to_the_newest_intact_one(backend, tmp_path):
