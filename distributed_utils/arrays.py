@@ -59,18 +59,9 @@ def own_memory(a: mx.array):
 
 def contiguous_numpy(a: mx.array) -> np.ndarray:
     """``a``'s values as a C-contiguous numpy array (its own memory if it can; bfloat16 as uint16 bits)."""
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    mx.eval(a)
-    try:  # zero-copy, where MLX's buffer can be read in place (a new graph node costs ~25 us)
-        view = np.asarray(a)
-        if view.flags.c_contiguous:
-            return view
-    except BufferError:
-        pass
-    a = mx.contiguous(a)
-    mx.eval(a)
-    return np.asarray(a)
+    a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+    view = own_memory(a)  # zero-copy where it can be (a new graph node costs ~25 us)
+    return view if view is not None else to_numpy(mx.contiguous(a))
 
 
 def width(a) -> int:

@@ -148,13 +148,14 @@ class DistributedDataContainer:
           agree on shares in proportion (rank 0 prints them) and split the rest of the epoch so."""
         batch_size = self._batch_size(batch_size)
         epoch = self.epoch if epoch is None else operator.index(epoch)
+        start = None if start is None else operator.index(start)
         check_same(self.backend, f"{self._label}: batches()", dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
-                   epoch=epoch, drop_last=drop_last, exactly_once=exactly_once, auto_share=share == "auto"))  # fmt: skip
+                   epoch=epoch, drop_last=drop_last, exactly_once=exactly_once, auto_share=share == "auto",
+                   start=start, position_loaded=self._resume))  # fmt: skip
         if share is not None:
             batch_size = self._agreed_sizes(batch_size, share)
         before, skip = self._resumed_parts(epoch, batch_size)
-        start = skip if start is None else operator.index(start)
-        check_same(self.backend, f"{self._label}: batches()", {"start": start})
+        start = skip if start is None else start
         if exactly_once and (drop_last or before):
             why = "drop_last skips items" if drop_last else "the epoch was begun at another world size or batch size"
             raise ValueError(f"{self._label}: exactly_once cannot visit every item once here: {why}")
