@@ -179,13 +179,13 @@ def _allgather_object(backend, obj) -> list:
     """The list of every rank's picklable ``obj`` (a TypeError on every rank as above)."""
 
     def run(_):
-        payload, _ = _pickled(obj)
+        payload, error = _pickled(obj)
         sizes = allgather(backend, np.array([payload.size]))
         padded = np.zeros((1, int(sizes.max())), np.uint8)
         padded[0, : payload.size] = payload
         rows = allgather(backend, padded)
         received = [_unpickled(row[:n]) for row, n in zip(rows, sizes)]
-        error = next((e for _, e in received if e is not None), None)
+        error = error or next((e for _, e in received if e is not None), None)
         return _raise_for_failures(backend, [r for r, _ in received], error, "the objects ranks gather")
 
     return _door(backend, "allgather_object", None, run)

@@ -68,6 +68,16 @@ def test_an_object_other_ranks_cannot_unpickle_raises_on_every_rank(backend):  #
                       "cannot unpickle it")  # fmt: skip
 
 
+@MULTI_RANK
+def test_an_object_one_rank_cannot_pickle_raises_on_every_rank(backend):  # it was None in the others' lists
+    last = backend.size - 1
+    mine = (lambda: 1) if backend.rank == last else "ok"
+    raised_everywhere(backend, lambda: du.allgather(backend, mine), TypeError,
+                      f"the objects ranks gather: rank {last} cannot pickle it")  # fmt: skip
+    raised_everywhere(backend, lambda: du.bcast(backend, mine, root=last), TypeError,
+                      f"the object rank {last} broadcasts: rank {last} cannot pickle it")  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_max_and_min_give_nan_wherever_any_rank_has_nan(backend, dtype):  # d10
     size = du.total_workers(backend)
