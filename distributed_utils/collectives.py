@@ -143,7 +143,8 @@ _started = []  # start_sum's collectives not yet waited for (at most one: each w
 def _door(backend, what, arrays, primitive, *details, wait=True):
     """The one door: ``primitive(arrays)`` as one watched collective (``watchdog.py``), its inputs
     evaluated before the clock starts, its result inside (unless ``wait=False``), after the
-    debug check. While MLX traces a function, nothing is evaluated or checked."""
+    debug check; a transport's error names the rank and the collective. While MLX traces a
+    function, nothing is evaluated or checked."""
     if _started:  # a start_sum not yet waited for: the transport carries one collective at a time
         for finish in list(_started):
             finish()
@@ -152,9 +153,16 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
         if call is not None and backend.size > 1 and not tracing and watchdog.debug():  # (its gathers: nested)
             check_same(backend, "ranks issued different collectives (DU_DEBUG)", {"collective": call.text()},
                        CollectiveMismatchError)  # fmt: skip
-        out = primitive(arrays)
-        if wait and not isinstance(out, np.ndarray):
-            evaluate(out)
+        try:
+            out = primitive(arrays)
+            if wait and not isinstance(out, np.ndarray):
+                evaluate(out)
+        except RuntimeError as e:  # MLX's and mpi4py's (ours are raised outside, or in nested calls)
+            if call is None or isinstance(e, CollectiveMismatchError):
+                raise
+            raise RuntimeError(f"rank {backend.rank}: collective {call.text(limit=3)} failed in the transport: {e} "
+                               "(a peer that died fails so, as do ranks passing different kinds, shapes or dtypes: "
+                               "DU_DEBUG=1 names those)") from e  # fmt: skip
     return out
 
 
