@@ -47,6 +47,9 @@ class DistributedOptimizer(optim.Optimizer):
             raise TypeError(f"expected a backend object (du.get_distributed_backend(...)), got {backend!r}")
         if not isinstance(optimizer, optim.Optimizer):
             raise TypeError(f"expected an mlx.optimizers.Optimizer, got {optimizer!r}")
+        if isinstance(getattr(optimizer, "reduction", None), Reduction):  # a DistributedOptimizer or DiLoCo
+            raise TypeError(f"DistributedOptimizer: the optimizer is already distributed ({type(optimizer).__name__}); "
+                            "wrap the plain mlx.optimizers optimizer once")  # fmt: skip
         if not (isinstance(accumulate_steps, int) and accumulate_steps >= 1):
             raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
         self.backend, self.optimizer, self.accumulate_steps = backend, optimizer, accumulate_steps
