@@ -118,9 +118,8 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     if meta is None:
         return None
     if optimizer is not None and meta["optimizer"] != _optimizer_name(optimizer):
-        raise CheckpointError(
-            f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a {_optimizer_name(optimizer)}"
-        )
+        raise CheckpointError(f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a "
+                              f"{_optimizer_name(optimizer)}")  # fmt: skip
     if model is not None:
         _check_fits(path, "model", saved, model.trainable_parameters() if meta.get("trainable_only") else model.parameters())
     if optimizer is not None:  # an initialized one: its state's shapes are known

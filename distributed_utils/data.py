@@ -121,13 +121,10 @@ class DistributedDataContainer:
         if batches == 0 or (saved_batch in (None, batch_size) and world_size == self.world_size):
             return before, batches
         if self.rank == 0:
-            warnings.warn(
-                f"{self._label}: epoch {epoch} was saved after {batches} batches of {saved_batch} items on each of "
-                f"{world_size} ranks (global batch {global_batch(world_size, saved_batch)}); its items not yet "
-                f"visited are sharded anew over {self.world_size} ranks with batches of {batch_size} (global batch "
-                f"{global_batch(self.world_size, batch_size)})",
-                stacklevel=3,
-            )
+            warnings.warn(f"{self._label}: epoch {epoch} was saved after {batches} batches of {saved_batch} items on "
+                          f"each of {world_size} ranks (global batch {global_batch(world_size, saved_batch)}); its "
+                          f"items not yet visited are sharded anew over {self.world_size} ranks with batches of "
+                          f"{batch_size} (global batch {global_batch(self.world_size, batch_size)})", stacklevel=3)
         return [*before, (world_size, saved_batch, batches)], 0
 
     def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=None,

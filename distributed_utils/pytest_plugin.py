@@ -45,7 +45,6 @@ def pytest_report_header(config):
 def pytest_runtest_makereport(item, call):
     report = yield
     if report.failed and _in_job():
-        item.session.shouldfail = (
-            f"rank {environment.launched_rank()} failed {item.nodeid}: the other ranks cannot go on without it"
-        )
+        rank = environment.launched_rank()
+        item.session.shouldfail = f"rank {rank} failed {item.nodeid}: the other ranks cannot go on without it"
     return report

@@ -99,10 +99,8 @@ def _mismatch_message(descriptions: list, what: str) -> str:
         return f"{what}: ranks {ranks} order the tree's keys differently from rank 0"
     have = "; ".join(f"rank {r} has {_leaf(t.get(key, 'missing'))}" for r, t in enumerate(tables))
     differ = [r for r, t in enumerate(tables) if t.get(key, "missing") != tables[0].get(key, "missing")]
-    return (
-        f"{what}: ranks hold different trees; first difference at key '{key}': {have} "
-        f"(ranks {differ} differ from rank 0)"
-    )
+    return (f"{what}: ranks hold different trees; first difference at key '{key}': {have} "
+            f"(ranks {differ} differ from rank 0)")  # fmt: skip
 
 
 def _leaf(sig) -> str:

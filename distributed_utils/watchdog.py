@@ -188,11 +188,9 @@ def _expire(entries):
         name = f"collective {e.text(limit=3)}" if isinstance(e, Collective) else f"'{e.what}'"
         since = time.strftime("%H:%M:%S", time.localtime(time.time() - (now - e.start)))
         stopped = sum(min(b, now) - max(a, e.start) for a, b in _state.stopped if b > e.start)
-        _say(
-            f"du watchdog: rank {rank}: {name} waiting since {since} ({now - e.start:.1f} s, "
-            f"timeout {e.timeout:g} s; last finished collective: #{_state.done}); exiting"
-            + (f"; this process itself was stopped for {stopped:.1f} s of it" if stopped > 1 else "")
-        )
+        also = f"; this process itself was stopped for {stopped:.1f} s of it" if stopped > 1 else ""
+        _say(f"du watchdog: rank {rank}: {name} waiting since {since} ({now - e.start:.1f} s, timeout {e.timeout:g} s; "
+             f"last finished collective: #{_state.done}); exiting{also}")
     time.sleep(GRACE)
     os._exit(EXIT_CODE)
 

@@ -81,9 +81,8 @@ def check_ring_addresses():
         hosts = json.load(f)
     rank = os.environ.get("MLX_RANK", "")
     if not (rank.isdigit() and int(rank) < len(hosts)):
-        raise BackendUnavailableError(
-            f"RingBackend: MLX_RANK={rank!r} is not a rank of the {len(hosts)} hosts in MLX_HOSTFILE={path}"
-        )
+        raise BackendUnavailableError(f"RingBackend: MLX_RANK={rank!r} is not a rank of the {len(hosts)} hosts in "
+                                      f"MLX_HOSTFILE={path}")  # fmt: skip
     for address in hosts[int(rank)]:
         ip, _, port = address.rpartition(":")
         error = listen_error(ip, int(port))
@@ -132,11 +131,9 @@ def start_mlx_mpi():
     if _mlx_mpi_started or not launched_by_mpirun():
         return
     if not mlx_mpi_available():
-        raise BackendUnavailableError(
-            "MLX's MPI backend cannot load an MPI library: "
-            + (f"MLX_MPI_LIBNAME={os.environ['MLX_MPI_LIBNAME']} did not load" if "MLX_MPI_LIBNAME" in os.environ
-               else "none found; set MLX_MPI_LIBNAME to your MPI's libmpi")
-        )  # fmt: skip
+        named = os.environ.get("MLX_MPI_LIBNAME")
+        why = f"MLX_MPI_LIBNAME={named} did not load" if named else "none found; set MLX_MPI_LIBNAME to its libmpi"
+        raise BackendUnavailableError(f"MLX's MPI backend cannot load an MPI library: {why}")
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized():
         raise BackendUnavailableError("MLX's MPI backend cannot start after mpi4py initialized MPI in this process; "

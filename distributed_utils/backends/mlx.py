@@ -27,9 +27,8 @@ class MLXBackend(AbstractBackend):
         if not self.mlx_name:
             raise TypeError(f"{cls} is abstract: use RingBackend, MLXMPIBackend, NCCLBackend or JACCLBackend")
         if not (environment.mlx_mpi_available() if self.mlx_name == "mpi" else mx.distributed.is_available(self.mlx_name)):
-            raise BackendUnavailableError(
-                f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' backend; {self.requires}"
-            )
+            raise BackendUnavailableError(f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' "
+                                          f"backend; {self.requires}")  # fmt: skip
         if environment.launched_for(self.mlx_name):
             self.prepare()
             self.group = mx.distributed.init(strict=True, backend=self.mlx_name)
