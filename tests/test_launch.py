@@ -189,7 +189,8 @@ def test_a_test_failing_on_one_rank_ends_the_job_with_its_assertion(backend, tmp
     assert re.search(r"\[rank 1\] E +AssertionError: rank 1 disagrees", run.stdout), run.stdout
     assert "rank 1 failed" in run.stdout and "the other ranks cannot go on without it" in run.stdout, run.stdout
     assert re.search(r"du-launch: rank 1 exited with code 1", run.stdout), run.stdout
-    assert "watchdog" not in run.stdout and "test_second" not in run.stdout, run.stdout
+    assert "du watchdog:" not in run.stdout and "the watchdog ended the job" not in run.stdout, run.stdout
+    assert "test_second" not in run.stdout, run.stdout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
