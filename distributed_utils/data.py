@@ -233,7 +233,8 @@ class DistributedDataContainer:
             return self.collate([self._item(int(i)) for i in idx])
         if self._columns is not None:
             return _map_fields(self._columns, lambda f: _take(f, idx))
-        if _is_hf_dataset(self.data):
+        hf = sys.modules.get("datasets")  # a datasets.Dataset exists only if its module is loaded
+        if hf is not None and isinstance(self.data, hf.Dataset):
             return {k: _stack(v) for k, v in self.data[idx.tolist()].items()}
         return _take(self.data, idx)
 
@@ -294,11 +295,6 @@ def _len(x, where) -> int:
 
 def _map_fields(fields, fn):
     return {k: fn(v) for k, v in fields.items()} if isinstance(fields, dict) else tuple(map(fn, fields))
-
-
-def _is_hf_dataset(x) -> bool:
-    hf = sys.modules.get("datasets")  # a datasets.Dataset exists only if its module is loaded
-    return hf is not None and isinstance(x, hf.Dataset)
 
 
 def _take(field, idx):
