@@ -39,8 +39,9 @@ def bcast(backend, x, root: int = 0):
 def allreduce(backend, x, op):
     """The elementwise reduction of every rank's ``x``: op is "sum", "avg" (``du.avg``),
     "max", "min", "prod", or operator.add, max, min, operator.mul. Returns the kind of ``x``
-    (mx.array, numpy array or Python scalar). Bools: sum/max are OR, min/prod are AND.
-    Floating max/min: a NaN on any rank gives NaN there, on every backend."""
+    (mx.array, numpy array or Python scalar; a Python int travels as int64, and its sum wraps
+    as numpy's does). Bools: sum/max are OR, min/prod are AND. Floating max/min: a NaN on any
+    rank gives NaN there, on every backend."""
     op = _op_name(op)
     check_backend(backend)
     arr, back = _as_mx(x) if isinstance(x, mx.array) else _as_numpy(x)
