@@ -61,7 +61,11 @@ def contiguous_numpy(a: mx.array) -> np.ndarray:
     """``a``'s values as a C-contiguous numpy array (its own memory if it can; bfloat16 as uint16 bits)."""
     a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
     view = own_memory(a)  # zero-copy where it can be (a new graph node costs ~25 us)
-    return view if view is not None else to_numpy(mx.contiguous(a))
+    if view is None:  # a contiguous copy, read in place
+        a = mx.contiguous(a)
+        mx.eval(a)
+        view = np.asarray(a)
+    return view
 
 
 def width(a) -> int:
