@@ -4,8 +4,8 @@
 
 Every row is the mean of --reps calls after 50 warm-up calls, the methods taking turns in one
 run; rank 0 prints microseconds per call and the ratio to the raw call. Raw: mpi4py's Allreduce
-and Bcast on numpy buffers (MPIBackend), or mx.distributed.all_sum of an mx.array, evaluated
-(MLX backends). du: the public collectives, through the door (checks, watchdog, evaluation).
+and Bcast on numpy buffers, and for an mx.array Allreduce reading its memory and the sum made an
+mx.array (MPIBackend); or mx.distributed.all_sum of an mx.array, evaluated (MLX backends). du: the public collectives, through the door (checks, watchdog, evaluation).
 Between them, the layers of ``du.allreduce(mx.array)``: the raw call inside the watchdog's
 ``collective``, the backend's primitive alone, and the door (``collectives._reduce``).
 """
@@ -40,9 +40,17 @@ def main():
         from mpi4py import MPI
 
         out = np.empty_like(x)
-        raw = {"allreduce": lambda: backend.comm.Allreduce(x, out, op=MPI.SUM), "bcast": lambda: backend.comm.Bcast(x)}
+
+        def raw_mx():  # what a user of mpi4py writes for an mx.array: Allreduce reads its memory; the sum made an mx.array
+            backend.comm.Allreduce(m, out, op=MPI.SUM)
+            return mx.array(out)
+
+        raw = {"allreduce": lambda: backend.comm.Allreduce(x, out, op=MPI.SUM), "bcast": lambda: backend.comm.Bcast(x),
+               "allreduce of an mx.array": raw_mx}
     else:
         raw = {"allreduce": lambda: mx.eval(mx.distributed.all_sum(m, group=backend.group, stream=mx.cpu))}
+    raw_of_mx = "allreduce of an mx.array" if "allreduce of an mx.array" in raw else "allreduce"
+
     def watched():
         with watchdog.Collective(backend.rank, "allreduce", ("sum",), m):
             raw["allreduce"]()
@@ -51,7 +59,7 @@ def main():
         "  raw allreduce, watched": ("allreduce", watched),
         "  backend.allreduce([mx.array])": ("allreduce", lambda: mx.eval(backend.allreduce([m], "sum"))),
         "  the door (collectives._reduce)": ("allreduce", lambda: collectives._reduce(backend, "allreduce", m, "sum")),
-        "du.allreduce(mx.array of 4 floats)": ("allreduce", lambda: du.allreduce(backend, m, "sum")),
+        "du.allreduce(mx.array of 4 floats)": (raw_of_mx, lambda: du.allreduce(backend, m, "sum")),
         "du.allreduce(numpy array of 4 floats)": ("allreduce", lambda: du.allreduce(backend, x, "sum")),
         "du.allreduce(a Python float)": ("allreduce", lambda: du.allreduce(backend, 1.0, "sum")),
         "du.bcast(mx.array of 4 floats)": ("bcast", lambda: du.bcast(backend, m)),

@@ -50,7 +50,7 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
     if keep is not None:
         if not (isinstance(keep, int) and keep >= 1 and isinstance(step, int)):
             raise ValueError(f"save_checkpoint: keep= needs an int >= 1 and an int step=, got keep={keep!r}, step={step!r}")
-        folder, path = Path(path), Path(path) / f"{_STEP_PREFIX}{step:012d}.safetensors"
+        folder, path = Path(path), Path(path) / f"step-{step:012d}.safetensors"
     arrays = {}
     if model is not None:
         arrays.update(_flat("model", model.trainable_parameters() if trainable_only else model.parameters()))
@@ -158,8 +158,7 @@ def _flat(section, tree) -> dict:
 
 
 def _section(arrays, section) -> list:
-    prefix = section + "."
-    return [(k[len(prefix) :], v) for k, v in arrays.items() if k.startswith(prefix)]
+    return [(k.removeprefix(section + "."), v) for k, v in arrays.items() if k.startswith(section + ".")]
 
 
 def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat):
@@ -202,30 +201,21 @@ class _Pieces(io.RawIOBase):
     def __init__(self, f, heartbeat):
         self.f, self.heartbeat, self.count = f, heartbeat, 0
 
-    def writable(self):
-        return True
-
     def write(self, data):
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _PIECE_BYTES):
-            self.piece(view[start : start + _PIECE_BYTES])
+            self.f.write(view[start : start + _PIECE_BYTES])
+            self.count += 1
+            if self.count % 4 == 0:
+                self.f.flush()
+                os.fsync(self.f.fileno())
+            self.heartbeat()
         return len(view)
-
-    def piece(self, data):
-        self.f.write(data)
-        self.count += 1
-        if self.count % 4 == 0:
-            self.f.flush()
-            os.fsync(self.f.fileno())
-        self.heartbeat()
-
-
-_STEP_PREFIX = "step-"
 
 
 def _checkpoints_in(folder: Path) -> list:
     """The checkpoints ``save_checkpoint(keep=)`` wrote to ``folder``, oldest first."""
-    return sorted(folder.glob(f"{_STEP_PREFIX}*.safetensors"))
+    return sorted(folder.glob("step-*.safetensors"))
 
 
 def _find_and_read(path: Path):
@@ -281,8 +271,7 @@ def _verified(path: Path):
 def _check_fits(path, section, saved, tree):
     """Raise unless the checkpoint's signatures ``saved`` (rank 0's: every rank alike) hold ``section``
     with the keys, dtypes and shapes of ``tree`` (None: any)."""
-    prefix = section + "."
-    saved = {k[len(prefix) :]: sig for k, sig in saved.items() if k.startswith(prefix)}
+    saved = {k.removeprefix(section + "."): sig for k, sig in saved.items() if k.startswith(section + ".")}
     if not saved:
         raise CheckpointError(f"load_checkpoint: {path} holds no {section} (it was saved without {section}=)")
     have = saved if tree is None else dict(describe(tree))

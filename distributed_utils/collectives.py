@@ -265,22 +265,14 @@ def _as_mx(x):
 def _as_numpy(x):
     """A numpy array or number as a numpy array, and the function that gives a result back as ``x``'s kind."""
     if isinstance(x, np.ndarray):
-        return check_travels(x), _on_host
-    if isinstance(x, complex):
-        raise TypeError("Python complex numbers are double precision, which MLX lacks: reduce np.complex64(x) "
-                        "or an mx.array instead")  # fmt: skip
-    if not isinstance(x, (bool, int, float, np.generic)):
+        return check_travels(x), to_numpy
+    if not isinstance(x, (bool, int, float, complex, np.generic)):
         raise TypeError(f"cannot reduce a {type(x).__name__}: pass an mx.array, a numpy array or a Python number "
                         "(use du.synchronize for trees and objects)")  # fmt: skip
     arr = np.asarray(x)
     if isinstance(x, int) and not isinstance(x, bool) and arr.dtype != np.int64:
         raise TypeError(f"the integer {x} does not fit in int64")
-    return check_travels(arr), lambda r: type(x)(_on_host(r).item())
-
-
-def _on_host(result):
-    """A result as a numpy array (it is one already when the transport works on host buffers)."""
-    return result if isinstance(result, np.ndarray) else to_numpy(result)
+    return check_travels(arr), lambda r: type(x)(to_numpy(r).item())
 
 
 def check_backend(backend) -> AbstractBackend:

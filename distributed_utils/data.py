@@ -37,6 +37,7 @@ class DistributedDataContainer:
     def __init__(self, backend, data, *, collate=None, lengths=None):
         self.backend = backend
         self.rank = local_rank(backend)
+        self._label = f"DistributedDataContainer on rank {self.rank}"  # (errors name it)
         self.world_size = total_workers(backend)
         self.data = data
         self.epoch = 0
@@ -244,10 +245,6 @@ class DistributedDataContainer:
         if batch_size < 1:
             raise ValueError(f"{self._label}: batch_size must be at least 1, got {batch_size}")
         return int(batch_size)
-
-    @property
-    def _label(self):
-        return f"DistributedDataContainer on rank {self.rank}"
 
     def __repr__(self):
         return (f"DistributedDataContainer(rank={self.rank}, world_size={self.world_size}, "

@@ -35,8 +35,7 @@ class DiLoCo(optim.Optimizer):
         fragment_update_alpha: after a sync a rank's fragment is ``global + alpha * (local - global)``.
 
     ``update(model, grads, weight=w)`` weights the outer average by each rank's weights since
-    the fragment's last sync (pass it on every step or none). Memory beyond the model and inner
-    state: the global parameters and the outer state; checkpoints add every rank's local parameters.
+    the fragment's last sync (pass it on every step or none).
     """
 
     def __init__(self, backend, inner_optimizer, *, outer_optimizer=None, sync_every=100, fragments=1,

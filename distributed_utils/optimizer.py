@@ -10,8 +10,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from .arrays import bits, evaluate
-from .backends import AbstractBackend
-from .collectives import check_same
+from .collectives import check_backend, check_same
 from .reduction import Reduction, as_weight, reduce_gradients
 from .sharded import ShardedState
 
@@ -36,15 +35,11 @@ class DistributedOptimizer(optim.Optimizer):
         shard_optimizer_state: each rank keeps the state of its 1/N of the parameters (ZeRO
             stage 1, ``sharded.py``); checkpoints hold the whole state, which loads into any
             world size. For the element-by-element optimizers (``sharded.ELEMENTWISE``).
-
-    To clip the averaged gradients: ``grads, _ = optim.clip_grad_norm(opt.reduce_gradients(grads),
-    1.0)``, then ``opt.optimizer.update(model, grads)``.
     """
 
     def __init__(self, backend, optimizer, *, op="avg", accumulate_steps=1, compression=None, bucket_bytes=None,
                  shard_optimizer_state=False):  # fmt: skip
-        if not isinstance(backend, AbstractBackend):
-            raise TypeError(f"expected a backend object (du.get_distributed_backend(...)), got {backend!r}")
+        check_backend(backend)
         if not isinstance(optimizer, optim.Optimizer):
             raise TypeError(f"expected an mlx.optimizers.Optimizer, got {optimizer!r}")
         if isinstance(getattr(optimizer, "reduction", None), Reduction):  # a DistributedOptimizer or DiLoCo
@@ -135,7 +130,8 @@ class DistributedOptimizer(optim.Optimizer):
         if weight is not None:
             gradients = tree_map(lambda g: g * weight.astype(g.dtype) if isinstance(g, mx.array) else g, gradients)
             self._weight = weight if self._weight is None else self._weight + weight
-        self._sum = gradients if self._sum is None else tree_map(_add, self._sum, gradients)
+        self._sum = gradients if self._sum is None else tree_map(lambda a, b: a + b if isinstance(a, mx.array) else a,
+                                                                 self._sum, gradients)  # fmt: skip
         self._calls += 1
         if self._calls < k:
             mx.async_eval([a for _, a in tree_flatten(self._sum) if isinstance(a, mx.array)])  # drop the graphs
@@ -155,8 +151,3 @@ def check_same_parameters(backend, parameters, who="DistributedOptimizer"):
             digest.update(np.asarray(bits(p)))
     name = "parameters at the first update (call du.synchronize(backend, model) on every rank first), digest"
     check_same(backend, who, {name: digest.hexdigest()[:16]})
-
-
-def _add(a, b):
-    """The sum of two accumulated leaves (other leaves: the first)."""
-    return a + b if isinstance(a, mx.array) else a

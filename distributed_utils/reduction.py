@@ -60,12 +60,6 @@ class Reduction:
         self.backend, self.op, self.compression = backend, op, as_compression(compression)
         self.bucket_bytes = GRADIENT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
 
-    @property
-    def scatters(self) -> bool:
-        """Whether ``reduce_scatter`` serves a rank that needs only its part: the transport has its
-        own (half an all-reduce's traffic) and no int8 scales travel first."""
-        return self.backend.native_reduce_scatter and self.compression != "int8"
-
     def leaves(self, tree, weight, what, verify=True) -> list:
         """Collective: ``[(key, array)]``, the (floating, else TypeError) mx.arrays of ``tree``, once
         every rank passes the same tree, weighted alike (else ``TreeMismatchError``)."""
@@ -136,8 +130,7 @@ class Reduction:
 
 def as_compression(compression):
     """None, ``mx.bfloat16``, ``mx.float16`` or ``"int8"``, from those or their names."""
-    name = compression if compression is None or isinstance(compression, str) else str(compression)
-    name = name if name is None else name.removeprefix("mlx.core.")
+    name = None if compression is None else str(compression).removeprefix("mlx.core.")
     if name not in (None, "bfloat16", "float16", "int8"):
         raise ValueError(f"compression must be None, 'bfloat16', 'float16' or 'int8', got {compression!r}")
     return getattr(mx, name) if name in ("bfloat16", "float16") else name

@@ -8,7 +8,7 @@ from mlx.nn import Module
 from mlx.optimizers import MultiOptimizer, Optimizer
 from mlx.utils import tree_flatten
 
-from .arrays import MX_DTYPES, UINT_BY_SIZE, bits, width
+from .arrays import UINT_BY_SIZE, bits, width
 from .collectives import bcast, check_root, root_runs
 from .optimizer import DistributedOptimizer
 from .tree import BROADCAST_BUCKET_BYTES, TreeMismatchError, buckets, describe, pack, unpack, verify_same_structure
@@ -85,8 +85,8 @@ def _synchronize_tree(backend, tree, root, what):
             received[i] = piece
     if backend.rank == root:
         return tree
-    pieces = iter(received)  # in the order of root's arrays too: the structures matched
-    return _map(lambda v: v.rebuild(next(pieces)) if isinstance(v, _Slot) else v, skeleton)
+    pieces = iter(zip(arrays, received))  # in the order of root's arrays too: the structures matched
+    return _map(lambda v: _rebuilt(*next(pieces)) if v is _Array else v, skeleton)
 
 
 def _travels_as_bits(leaf) -> bool:
@@ -94,23 +94,21 @@ def _travels_as_bits(leaf) -> bool:
 
 
 def _stand_in(leaf):
-    """What root sends for ``leaf``: a ``_Slot`` for an array, else the leaf."""
+    """What root sends for ``leaf``: ``_Array`` for an array, else the leaf."""
     if isinstance(leaf, (Module, Optimizer)):
         raise TypeError(f"a tree holds a {type(leaf).__name__}: synchronize it on its own")
-    return _Slot(leaf) if _travels_as_bits(leaf) else leaf
+    return _Array if _travels_as_bits(leaf) else leaf
 
 
-class _Slot:
-    """Stands for one of root's arrays in the tree it sends; ``rebuild`` makes it from bits."""
+class _Array:
+    """Stands for one of root's arrays in the tree it sends (a class: it unpickles as itself)."""
 
-    def __init__(self, a):
-        self.numpy, self.shape = isinstance(a, np.ndarray), a.shape
-        self.dtype = a.dtype if self.numpy else str(a.dtype).removeprefix("mlx.core.")
 
-    def rebuild(self, received: mx.array):
-        if self.numpy:
-            return np.array(received).view(self.dtype).reshape(self.shape)
-        return received.view(MX_DTYPES[self.dtype]).reshape(self.shape)
+def _rebuilt(own, received: mx.array):
+    """``received`` bits as an array of this rank's ``own`` kind, dtype and shape (root's: verified)."""
+    if isinstance(own, np.ndarray):
+        return np.array(received).view(own.dtype).reshape(own.shape)
+    return received.view(own.dtype).reshape(own.shape)
 
 
 def _map(fn, tree):

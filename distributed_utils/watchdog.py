@@ -22,20 +22,15 @@ GRACE = 2.0
 _POLL = 0.25
 
 
-class _State:
+class _state:  # the process's one watchdog state (the class itself: a namespace)
     timeout = debug = None  # None: not configured yet (read the environment)
     rank = thread = parent = None  # parent: the launcher's pid, to exit with it
     seq = done = 0  # the last collective's sequence number on this rank, and the last that finished
     depth = 0  # 1 inside a collective: the collectives it makes itself are part of it
     waited = 0.0  # seconds spent in collectives
-
-    def __init__(self):
-        self.lock = threading.Lock()  # for starting the thread
-        self.inflight = {}  # the regions in flight (as keys); one C-level dict operation at a time (GIL)
-        self.stopped = []  # (from, to): when this process did not run
-
-
-_state = _State()
+    lock = threading.Lock()  # for starting the thread
+    inflight = {}  # the regions in flight (as keys); one C-level dict operation at a time (GIL)
+    stopped = []  # (from, to): when this process did not run
 
 
 def configure(timeout=None, debug=None):
