@@ -17,10 +17,6 @@ MX_BY_NUMPY = {d: MX_DTYPES[d.name] for d in NUMPY_DTYPES}
 UINT_BY_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
-def is_array(x) -> bool:
-    return isinstance(x, (mx.array, np.ndarray))
-
-
 def check_travels(x):
     """``x`` if its dtype can travel on every backend, else a TypeError naming it."""
     if isinstance(x, np.ndarray) and x.dtype not in NUMPY_DTYPES:
@@ -86,7 +82,7 @@ def bits(a) -> mx.array:
 
 def signature(x):
     """An array's ``(dtype name, shape)``; for anything else its type name."""
-    if is_array(x):
+    if isinstance(x, (mx.array, np.ndarray)):
         return (str(x.dtype).removeprefix("mlx.core."), tuple(x.shape))
     return type(x).__name__
 

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import watchdog
-from .arrays import check_travels, evaluate, is_array, is_floating, to_mx, to_numpy
+from .arrays import check_travels, evaluate, is_floating, to_mx, to_numpy
 from .backends import AbstractBackend
 
 #: Lux's ``DistributedUtils.avg``: the averaging reduction op.
@@ -30,7 +30,7 @@ def bcast(backend, x, root: int = 0):
     """Root's ``x`` on every rank, bit for bit: arrays (of the same shape and dtype on every
     rank), or any picklable object, sent whole from root."""
     check_root(backend, root)
-    if not is_array(x):
+    if not isinstance(x, (mx.array, np.ndarray)):
         return _bcast_object(backend, x, root)
     arr, back = _as_mx(x)
     return back(_door(backend, "bcast", arr, lambda a: backend.bcast(a, root), f"root={root}"))
@@ -87,7 +87,7 @@ def allgather(backend, x):
     """Every rank's array ``x`` concatenated along the first axis in rank order (0-d ones: a 1-d
     array); anything else, the list of every rank's ``x``."""
     check_backend(backend)
-    if not is_array(x):
+    if not isinstance(x, (mx.array, np.ndarray)):
         return _allgather_object(backend, x)
     arr, back = _as_mx(x)
     arr = arr.reshape(1) if arr.ndim == 0 else arr
@@ -151,7 +151,7 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
             finish()
     tracing = not (isinstance(arrays, np.ndarray) or evaluate(arrays))  # (numpy needs no evaluation)
     with watchdog.Collective(backend.rank, what, details, arrays) as call:
-        if call is not None and backend.size > 1 and not tracing and watchdog.debug():  # (its gathers: nested)
+        if call is not None and call.debug and backend.size > 1 and not tracing:  # (its gathers: nested)
             check_same(backend, "ranks issued different collectives (DU_DEBUG)", {"collective": call.text()},
                        CollectiveMismatchError)  # fmt: skip
         try:

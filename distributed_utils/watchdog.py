@@ -22,15 +22,20 @@ GRACE = 2.0
 _POLL = 0.25
 
 
-class _state:  # the process's one watchdog state (the class itself: a namespace)
+class _State:
     timeout = debug = None  # None: not configured yet (read the environment)
     rank = thread = parent = None  # parent: the launcher's pid, to exit with it
     seq = done = 0  # the last collective's sequence number on this rank, and the last that finished
     depth = 0  # 1 inside a collective: the collectives it makes itself are part of it
     waited = 0.0  # seconds spent in collectives
-    lock = threading.Lock()  # for starting the thread
-    inflight = {}  # the regions in flight (as keys); one C-level dict operation at a time (GIL)
-    stopped = []  # (from, to): when this process did not run
+
+    def __init__(self):
+        self.lock = threading.Lock()  # for starting the thread
+        self.inflight = {}  # the regions in flight (as keys); one C-level dict operation at a time (GIL)
+        self.stopped = []  # (from, to): when this process did not run
+
+
+_state = _State()  # (an instance: setting a class's attributes at every collective would be slower)
 
 
 def configure(timeout=None, debug=None):
@@ -52,12 +57,6 @@ def configure(timeout=None, debug=None):
         _state.debug = bool(debug)
 
 
-def debug() -> bool:
-    """Whether debug mode checks every collective across ranks."""
-    configure()
-    return _state.debug
-
-
 class Collective:
     """``with Collective(rank, what, details, arrays) as call``: watch one collective of this rank
     (``call`` is None when nested in another: part of it). ``what`` ("allreduce"), ``details``
@@ -73,7 +72,7 @@ class Collective:
             return None
         if _state.timeout is None:
             configure()
-        _state.depth, _state.rank, self.timeout = 1, self.rank, _state.timeout
+        _state.depth, _state.rank, self.timeout, self.debug = 1, self.rank, _state.timeout, _state.debug
         self.seq = _state.seq = _state.seq + 1
         _register(self)
         return self
