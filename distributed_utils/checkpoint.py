@@ -48,8 +48,9 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
     """
     check_backend(backend)
     if keep is not None:
-        if not (isinstance(keep, int) and keep >= 1 and isinstance(step, int)):
-            raise ValueError(f"save_checkpoint: keep= needs an int >= 1 and an int step=, got keep={keep!r}, step={step!r}")
+        if not (isinstance(keep, int) and keep >= 1 and isinstance(step, int) and step >= 0):  # (names sort by step)
+            raise ValueError(f"save_checkpoint: keep= needs an int >= 1 and an int step= >= 0, got keep={keep!r}, "
+                             f"step={step!r}")  # fmt: skip
         folder, path = Path(path), Path(path) / f"step-{step:012d}.safetensors"
     arrays = {}
     if model is not None:
@@ -204,13 +205,16 @@ class _Pieces(io.RawIOBase):
     def write(self, data):
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _PIECE_BYTES):
-            self.f.write(view[start : start + _PIECE_BYTES])
-            self.count += 1
-            if self.count % 4 == 0:
-                self.f.flush()
-                os.fsync(self.f.fileno())
-            self.heartbeat()
+            self.piece(view[start : start + _PIECE_BYTES])
         return len(view)
+
+    def piece(self, data):
+        self.f.write(data)
+        self.count += 1
+        if self.count % 4 == 0:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+        self.heartbeat()
 
 
 def _checkpoints_in(folder: Path) -> list:

@@ -104,6 +104,10 @@ BAD_INPUT = [
      "ck is damaged: the bytes of 'model.weight' do not match their checksum"),
     ("a checkpoint value that is not JSON", lambda b, t: du.save_checkpoint(b, t / "ck", extra={1j}), False,
      TypeError, "must be JSON values"),
+    ("keep= without a step", lambda b, t: du.save_checkpoint(b, t / "ck", keep=2), False, ValueError,
+     "keep= needs an int >= 1 and an int step= >= 0, got keep=2, step=None"),
+    ("keep= with a negative step (its file would sort as the oldest)",
+     lambda b, t: du.save_checkpoint(b, t / "ck", step=-1, keep=2), False, ValueError, "got keep=2, step=-1"),
 ]  # fmt: skip
 
 
