@@ -264,10 +264,13 @@ def environments(hosts, args) -> dict:
     found = {}
 
     def run(host):
-        local = is_local(resolve(host))
-        argv = ["sh", "-c", probe] if local else shlex.split(args.remote_shell.format(host=host)) + [probe]
         try:
+            local = is_local(resolve(host))
+            argv = ["sh", "-c", probe] if local else shlex.split(args.remote_shell.format(host=host)) + [probe]
             done = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_SECONDS, stdin=subprocess.DEVNULL)
+        except SystemExit as e:  # resolve's, for a name that is no host (in a thread it would vanish)
+            found[host] = str(e).removeprefix("du-launch: ")
+            return
         except subprocess.TimeoutExpired:
             found[host] = f"no answer within {PROBE_SECONDS} s"
             return

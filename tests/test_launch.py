@@ -124,6 +124,17 @@ def test_a_hostfile_line_that_is_not_a_host_is_an_error(tmp_path):
     assert run.returncode != 0 and f"{hostfile}:1: expected 'HOST [slots=K]'" in run.stderr
 
 
+def test_a_hostfile_host_that_does_not_resolve_is_a_clear_error(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1\nno-such-host.invalid\n")  # (.invalid never resolves: RFC 2606)
+    for check in ([], ["--check"]):
+        run = subprocess.run([sys.executable, "-m", "distributed_utils.launch", *check, "--hostfile", str(hostfile),
+                              "python", "-c", "pass"], cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        assert ("du-launch: host no-such-host.invalid (ranks [1]) is unreachable: cannot resolve host "
+                "'no-such-host.invalid'") in run.stderr, run.stderr
+
+
 OUTPUT = """
 import os, sys
 from tqdm import tqdm
