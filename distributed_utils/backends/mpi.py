@@ -71,7 +71,7 @@ class MPIBackend(AbstractBackend):
                 view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
                 if view is None and w.size:  # a copy to reduce in: a small one in numpy (see _received)
                     if w.nbytes <= SMALL_BYTES:
-                        w = view = np.array(contiguous_numpy(w))
+                        w = view = np.array(w)  # (w is evaluated and of a dtype numpy has: not narrow)
                     else:
                         w = to_mx(contiguous_numpy(w))
                         view = own_memory(w)
