@@ -130,8 +130,8 @@ class DistributedOptimizer(optim.Optimizer):
         if weight is not None:
             gradients = tree_map(lambda g: g * weight.astype(g.dtype) if isinstance(g, mx.array) else g, gradients)
             self._weight = weight if self._weight is None else self._weight + weight
-        self._sum = gradients if self._sum is None else tree_map(lambda a, b: a + b if isinstance(a, mx.array) else a,
-                                                                 self._sum, gradients)  # fmt: skip
+        add = lambda a, b: a + b if isinstance(a, mx.array) else a  # noqa: E731 (other leaves: the first's)
+        self._sum = gradients if self._sum is None else tree_map(add, self._sum, gradients)
         self._calls += 1
         if self._calls < k:
             mx.async_eval([a for _, a in tree_flatten(self._sum) if isinstance(a, mx.array)])  # drop the graphs
