@@ -41,16 +41,17 @@ _state = _State()  # (an instance: setting a class's attributes at every collect
 def configure(timeout=None, debug=None):
     """Set this process's timeout in seconds (0: never) and debug mode. ``None`` keeps the current
     setting, initially ``DU_TIMEOUT`` (default 300) and ``DU_DEBUG`` (default off)."""
+    where = "timeout"
     if timeout is None and _state.timeout is None:
-        value = os.environ.get("DU_TIMEOUT") or DEFAULT_TIMEOUT
-        try:
-            timeout = float(value)
-        except ValueError:
-            raise ValueError(f"DU_TIMEOUT={value!r} is not a number of seconds") from None
+        where, timeout = "DU_TIMEOUT", os.environ.get("DU_TIMEOUT") or DEFAULT_TIMEOUT
     if timeout is not None:
-        if not float(timeout) >= 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0 (0: never), got {timeout!r}")
-        _state.timeout = float(timeout)
+        try:
+            seconds = float(timeout)
+        except (TypeError, ValueError):
+            seconds = float("nan")
+        if not seconds >= 0:
+            raise ValueError(f"{where}={timeout!r} is not a number of seconds >= 0 (0: never)")
+        _state.timeout = seconds
     if debug is None and _state.debug is None:
         debug = os.environ.get("DU_DEBUG", "0") not in ("", "0", "false", "no")
     if debug is not None:

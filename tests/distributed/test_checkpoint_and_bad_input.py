@@ -76,7 +76,7 @@ BAD_INPUT = [
     ("use before initialize", lambda b, t: du.get_distributed_backend(other_backend_type(b)), False, RuntimeError,
      "is not initialized: call du.initialize("),
     ("a negative timeout", lambda b, t: du.initialize(type(b), timeout=-1), False, ValueError,
-     "timeout must be a number of seconds >= 0"),
+     "timeout=-1 is not a number of seconds >= 0 (0: never)"),
     ("mismatched trees", lambda b, t: du.synchronize(b, {"w": mx.zeros((2 + b.rank,))}), True, TreeMismatchError,
      "first difference at key 'w'"),
     ("mismatched gradient trees",
