@@ -33,7 +33,7 @@ BACKENDS = ("mpi", "ring", "mlx-mpi")
 #: du-launch's exit code when a SIGTERM or SIGUSR1 preempted the job and its ranks ended in time:
 #: sysexits' EX_TEMPFAIL, "try again later", for a scheduler to requeue on.
 PREEMPTED_EXIT = 75
-PROBE_SECONDS = 30  # for a remote host to run `true` through the remote shell
+PROBE_SECONDS = 30  # for a host to run the preflight probe (through the remote shell)
 DEFAULT_REMOTE_SHELL = "ssh {host}"
 
 
