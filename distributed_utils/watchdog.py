@@ -35,7 +35,7 @@ class _State:
         self.stopped = []  # (from, to): when this process did not run
 
 
-_state = _State()  # (an instance: setting a class's attributes at every collective would be slower)
+_state = _State()  # (an instance: assigning to a class's attributes at every collective invalidates type caches)
 
 
 def configure(timeout=None, debug=None):
