@@ -11,7 +11,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import allgather, check_backend, check_same
-from .optimizer import DistributedOptimizer, check_same_parameters
+from .optimizer import check_same_parameters
 from .reduction import Reduction, as_weight
 from .sharded import at_key
 from .tree import floating_leaves
@@ -42,7 +42,7 @@ class DiLoCo(optim.Optimizer):
                  compression=None, bucket_bytes=None, fragment_sync_delay=0, fragment_update_alpha=0.0):  # fmt: skip
         check_backend(backend)
         for name, opt in (("inner_optimizer", inner_optimizer), ("outer_optimizer", outer_optimizer)):
-            if isinstance(opt, (DistributedOptimizer, DiLoCo)):
+            if isinstance(getattr(opt, "reduction", None), Reduction):  # a DistributedOptimizer or DiLoCo
                 raise TypeError(f"DiLoCo: {name} is already distributed ({type(opt).__name__}); pass the plain "
                                 "mlx.optimizers optimizer: DiLoCo does the communication")  # fmt: skip
             if not (opt is None and name == "outer_optimizer") and not isinstance(opt, optim.Optimizer):
