@@ -36,16 +36,20 @@ def main():
         raw = [np.asarray(a) for _, a in tree_flatten(model.parameters())]
         runs = {"save": [], "load": [], "crc32": []}
         for _ in range(args.reps):
-            for name, fn in (("save", lambda: du.save_checkpoint(backend, path, model=model)),
-                             ("load", lambda: du.load_checkpoint(backend, path, model=model)),
-                             ("crc32", lambda: [zlib.crc32(r) for r in raw])):  # fmt: skip
+            for name, fn in (
+                ("save", lambda: du.save_checkpoint(backend, path, model=model)),
+                ("load", lambda: du.load_checkpoint(backend, path, model=model)),
+                ("crc32", lambda: [zlib.crc32(r) for r in raw]),
+            ):
                 start = time.perf_counter()
                 fn()
                 runs[name].append(time.perf_counter() - start)
     t = {k: statistics.median(v) for k, v in runs.items()}
-    print(f"{nbytes / 2**20:.0f} MiB: save {t['save'] * 1e3:.0f} ms, load {t['load'] * 1e3:.0f} ms, "
-          f"crc32 {t['crc32'] * 1e3:.0f} ms ({nbytes / t['crc32'] / 1e9:.2f} GB/s): "
-          f"checksums are {t['crc32'] / t['save']:.0%} of a save and {t['crc32'] / t['load']:.0%} of a load")  # fmt: skip
+    print(
+        f"{nbytes / 2**20:.0f} MiB: save {t['save'] * 1e3:.0f} ms, load {t['load'] * 1e3:.0f} ms, "
+        f"crc32 {t['crc32'] * 1e3:.0f} ms ({nbytes / t['crc32'] / 1e9:.2f} GB/s): "
+        f"checksums are {t['crc32'] / t['save']:.0%} of a save and {t['crc32'] / t['load']:.0%} of a load"
+    )
 
 
 if __name__ == "__main__":

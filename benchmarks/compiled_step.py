@@ -40,7 +40,9 @@ def loss_fn(model, x, y):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--width", type=int, default=1024)
@@ -64,7 +66,10 @@ def main():
             return loss
 
         state = [model.state, opt.state]
-        steps[name] = (partial(mx.compile, inputs=state, outputs=state)(step) if name == "compiled" else step, state)
+        steps[name] = (
+            partial(mx.compile, inputs=state, outputs=state)(step) if name == "compiled" else step,
+            state,
+        )
 
     times = {name: [] for name in steps}
     for rep in range(args.warmup + args.reps):
@@ -79,8 +84,10 @@ def main():
     medians = du.allreduce(backend, np.array([np.median(times[n]) for n in steps]), "max")
     if rank == 0:
         n_params = sum(v.size for _, v in tree_flatten(mlp(args.width).parameters()))
-        print(f"{type(backend).__name__}, {du.total_workers(backend)} ranks, MLP of {n_params / 1e6:.1f}M parameters, "
-              f"batch {args.batch} per rank; median of {args.reps} steps, slowest rank")  # fmt: skip
+        print(
+            f"{type(backend).__name__}, {du.total_workers(backend)} ranks, MLP of {n_params / 1e6:.1f}M parameters, "
+            f"batch {args.batch} per rank; median of {args.reps} steps, slowest rank"
+        )
         for name, t in zip(steps, medians):
             print(f"{name:<12}{t * 1e3:9.1f} ms")
         print(f"compiled/uncompiled: {medians[1] / medians[0]:.2f}")

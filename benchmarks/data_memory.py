@@ -58,8 +58,12 @@ def worker(path: str, rows: int, mode: str):
     elif mode == "load-all":
         whole = np.array(data)
         read, private = len(whole), max(private, status_mb("RssAnon"))
-    report = {"rank": du.local_rank(backend), "read_mb": read * ROW * 4 / 2**20,
-              "peak_mb": status_mb("VmHWM"), "private_mb": private}  # fmt: skip
+    report = {
+        "rank": du.local_rank(backend),
+        "read_mb": read * ROW * 4 / 2**20,
+        "peak_mb": status_mb("VmHWM"),
+        "private_mb": private,
+    }
     everyone = du.allgather(backend, report)
     if du.local_rank(backend) == 0:
         print("RESULT " + json.dumps(everyone), flush=True)
@@ -77,9 +81,13 @@ def main():
 
     rows = args.mb * 2**20 // (ROW * 4)
     file_mb = rows * ROW * 4 / 2**20
-    print(f"{args.n} ranks ({args.backend}), memory-mapped float32 file of {rows} rows x {ROW} = {file_mb:.0f} MiB")
+    print(
+        f"{args.n} ranks ({args.backend}), memory-mapped float32 file of {rows} rows x {ROW} = {file_mb:.0f} MiB"
+    )
     print(f"file / n = {file_mb / args.n:.0f} MiB per rank; all columns in MiB")
-    print(f"{'mode':<10} {'rank':>4} {'rows read':>10} {'peak RSS':>9} {'above baseline':>15} {'peak private':>13}")
+    print(
+        f"{'mode':<10} {'rank':>4} {'rows read':>10} {'peak RSS':>9} {'above baseline':>15} {'peak private':>13}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "data.f32")
         out = np.memmap(path, np.float32, "w+", shape=(rows, ROW))
@@ -89,8 +97,21 @@ def main():
         del out
         baseline = {}
         for mode in MODES:
-            cmd = [sys.executable, "-m", "distributed_utils.launch", "-n", str(args.n), "--backend", args.backend,
-                   sys.executable, os.path.abspath(__file__), "--worker", path, str(rows), mode]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "distributed_utils.launch",
+                "-n",
+                str(args.n),
+                "--backend",
+                args.backend,
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                path,
+                str(rows),
+                mode,
+            ]
             run = subprocess.run(cmd, capture_output=True, text=True)
             result = [line.split("RESULT ", 1)[1] for line in run.stdout.splitlines() if "RESULT " in line]
             if run.returncode or not result:

@@ -45,8 +45,11 @@ def main():
             backend.comm.Allreduce(m, out, op=MPI.SUM)
             return mx.array(out)
 
-        raw = {"allreduce": lambda: backend.comm.Allreduce(x, out, op=MPI.SUM), "bcast": lambda: backend.comm.Bcast(x),
-               "allreduce of an mx.array": raw_mx}
+        raw = {
+            "allreduce": lambda: backend.comm.Allreduce(x, out, op=MPI.SUM),
+            "bcast": lambda: backend.comm.Bcast(x),
+            "allreduce of an mx.array": raw_mx,
+        }
     else:
         raw = {"allreduce": lambda: mx.eval(mx.distributed.all_sum(m, group=backend.group, stream=mx.cpu))}
     raw_of_mx = "allreduce of an mx.array" if "allreduce of an mx.array" in raw else "allreduce"
@@ -58,7 +61,10 @@ def main():
     rows = {
         "  raw allreduce, watched": ("allreduce", watched),
         "  backend.allreduce([mx.array])": ("allreduce", lambda: mx.eval(backend.allreduce([m], "sum"))),
-        "  the door (collectives._reduce)": ("allreduce", lambda: collectives._reduce(backend, "allreduce", m, "sum")),
+        "  the door (collectives._reduce)": (
+            "allreduce",
+            lambda: collectives._reduce(backend, "allreduce", m, "sum"),
+        ),
         "du.allreduce(mx.array of 4 floats)": (raw_of_mx, lambda: du.allreduce(backend, m, "sum")),
         "du.allreduce(numpy array of 4 floats)": ("allreduce", lambda: du.allreduce(backend, x, "sum")),
         "du.allreduce(a Python float)": ("allreduce", lambda: du.allreduce(backend, 1.0, "sum")),

@@ -49,21 +49,35 @@ def llama_gradients(rank, layers=4, dim=256, mlp=512, vocab=50257):
 
     layer = lambda: {  # noqa: E731
         "self_attn": {p: {"weight": g(dim, dim)} for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
-        "mlp": {"gate_proj": {"weight": g(mlp, dim)}, "up_proj": {"weight": g(mlp, dim)},
-                "down_proj": {"weight": g(dim, mlp)}},
-        "input_layernorm": {"weight": g(dim)}, "post_attention_layernorm": {"weight": g(dim)},
-    }  # fmt: skip
-    tree = {"model": {"embed_tokens": {"weight": g(vocab, dim)}, "layers": [layer() for _ in range(layers)],
-                      "norm": {"weight": g(dim)}}, "lm_head": {"weight": g(vocab, dim)}}  # fmt: skip
+        "mlp": {
+            "gate_proj": {"weight": g(mlp, dim)},
+            "up_proj": {"weight": g(mlp, dim)},
+            "down_proj": {"weight": g(dim, mlp)},
+        },
+        "input_layernorm": {"weight": g(dim)},
+        "post_attention_layernorm": {"weight": g(dim)},
+    }
+    tree = {
+        "model": {
+            "embed_tokens": {"weight": g(vocab, dim)},
+            "layers": [layer() for _ in range(layers)],
+            "norm": {"weight": g(dim)},
+        },
+        "lm_head": {"weight": g(vocab, dim)},
+    }
     mx.eval(tree)
     return tree
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--extra", action="store_true", help="also (c) with other bucket sizes and compression")
+    parser.add_argument(
+        "--extra", action="store_true", help="also (c) with other bucket sizes and compression"
+    )
     args = parser.parse_args()
 
     backend = du.initialize()
@@ -96,13 +110,21 @@ def main():
     if args.extra and isinstance(backend, du.MPIBackend):  # numpy asks for huge pages, MLX does not
         mlx_flat = mx.random.normal((nbytes // 4,), key=mx.random.key(rank))
         mx.eval(mlx_flat)
-        methods["(d) on an mx.array's memory"] = lambda: backend.comm.Allreduce(MPI.IN_PLACE, np.asarray(mlx_flat))
+        methods["(d) on an mx.array's memory"] = lambda: backend.comm.Allreduce(
+            MPI.IN_PLACE, np.asarray(mlx_flat)
+        )
     if args.extra:
-        for label, kw in [("bucket_bytes=0", {"bucket_bytes": 0}), ("bucket_bytes=1MiB", {"bucket_bytes": 2**20}),
-                          ("bucket_bytes=8MiB", {"bucket_bytes": 2**23}), ("bucket_bytes=32MiB", {"bucket_bytes": 2**25}),
-                          ("bucket_bytes=64MiB", {"bucket_bytes": 2**26}), ("bucket_bytes=1GiB", {"bucket_bytes": 2**30}),
-                          ("op=sum", {"op": "sum"}), ("compression=float16", {"compression": mx.float16}),
-                          ("compression=bfloat16", {"compression": mx.bfloat16})]:  # fmt: skip
+        for label, kw in [
+            ("bucket_bytes=0", {"bucket_bytes": 0}),
+            ("bucket_bytes=1MiB", {"bucket_bytes": 2**20}),
+            ("bucket_bytes=8MiB", {"bucket_bytes": 2**23}),
+            ("bucket_bytes=32MiB", {"bucket_bytes": 2**25}),
+            ("bucket_bytes=64MiB", {"bucket_bytes": 2**26}),
+            ("bucket_bytes=1GiB", {"bucket_bytes": 2**30}),
+            ("op=sum", {"op": "sum"}),
+            ("compression=float16", {"compression": mx.float16}),
+            ("compression=bfloat16", {"compression": mx.bfloat16}),
+        ]:
             variant = du.DistributedOptimizer(backend, optim.SGD(0.1), **kw)
             methods[f"(c) {label}"] = (lambda o: lambda: o.reduce_gradients(grads))(variant)
 
@@ -126,13 +148,17 @@ def main():
         return
     cache_limit = mx.set_cache_limit(0)
     mx.set_cache_limit(cache_limit)
-    print(f"{type(backend).__name__}, {n} processes, {len(leaves)} arrays, {nbytes / 1e6:.1f} MB float32, "
-          f"median of {args.reps} after {args.warmup} warmup (slowest rank); MLX cache limit now "
-          f"{cache_limit / 2**20:.0f} MiB")  # fmt: skip
+    print(
+        f"{type(backend).__name__}, {n} processes, {len(leaves)} arrays, {nbytes / 1e6:.1f} MB float32, "
+        f"median of {args.reps} after {args.warmup} warmup (slowest rank); MLX cache limit now "
+        f"{cache_limit / 2**20:.0f} MiB"
+    )
     print(f"{'method':30s} {'median ms':>10s} {'min ms':>8s} {'algbw GB/s':>11s} {'busbw GB/s':>11s}")
     for name, t in med.items():
         algbw = nbytes / t / 1e9
-        print(f"{name:30s} {t * 1e3:10.2f} {times[name].min() * 1e3:8.2f} {algbw:11.2f} {algbw * 2 * (n - 1) / n:11.2f}")
+        print(
+            f"{name:30s} {t * 1e3:10.2f} {times[name].min() * 1e3:8.2f} {algbw:11.2f} {algbw * 2 * (n - 1) / n:11.2f}"
+        )
     a, b, c, d = names[:4]
     ratio = lambda x, y: f"{med[x] / med[y]:.3f} (per run: {np.median(times[x] / times[y]):.3f})"  # noqa: E731
     print(f"c/d = {ratio(c, d)}   c/b = {ratio(c, b)}   a/c = {ratio(a, c)}")

@@ -72,8 +72,11 @@ def train_worker(args):
     model = Llama(vocab=257, dims=128, mlp_dims=256)
     du.synchronize(backend, model)
     config = CONFIGS[args.config]
-    opt = (du.DistributedOptimizer(backend, optim.AdamW(1e-3)) if config is None
-           else du.DiLoCo(backend, optim.AdamW(1e-3), **config))  # fmt: skip
+    opt = (
+        du.DistributedOptimizer(backend, optim.AdamW(1e-3))
+        if config is None
+        else du.DiLoCo(backend, optim.AdamW(1e-3), **config)
+    )
 
     def collate(items):  # bytes, 256 as the end of text
         tokens, mask = np.full((len(items), 33), 256, np.int32), np.zeros((len(items), 33), np.float32)
@@ -92,17 +95,26 @@ def train_worker(args):
         steps += 1
         average = loss.item() if average is None else 0.98 * average + 0.02 * loss.item()
         trace.append((time.perf_counter() - start, average))
-        if steps % CHECK_EVERY == 0 and du.allreduce(backend, time.perf_counter() - start > args.budget, "max"):
+        if steps % CHECK_EVERY == 0 and du.allreduce(
+            backend, time.perf_counter() - start > args.budget, "max"
+        ):
             break  # (1 byte, every run alike, right after a sync step of every configuration above)
     if du.local_rank(backend) == 0:
-        result = {"steps": steps, "seconds": time.perf_counter() - start, "loss": average, "trace": trace[::5]}
+        result = {
+            "steps": steps,
+            "seconds": time.perf_counter() - start,
+            "loss": average,
+            "trace": trace[::5],
+        }
         print("RESULT", json.dumps(result), flush=True)
 
 
 def run(hosts, backend, worker_args, timeout):
     argv = ["python", __file__, "--worker", *worker_args]
     before = hosts.sent_bytes()
-    done = subprocess.run(hosts.launcher(backend, argv), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        hosts.launcher(backend, argv), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     sent = [b - a for a, b in zip(before, hosts.sent_bytes())]
     for line in done.stdout.splitlines():
         if "RESULT " in line:
@@ -119,9 +131,13 @@ def main():
     p.add_argument("--backends", nargs="+", default=["mpi", "ring"])
     p.add_argument("--rates", nargs="*", default=["10gbit", "1gbit", "100mbit"])
     p.add_argument("--train-rates", nargs="*", default=["100mbit", "1gbit"])
-    p.add_argument("--budget", type=float, default=45.0, help="seconds of training at 100 Mbit/s (half at 1 Gbit/s)")
+    p.add_argument(
+        "--budget", type=float, default=45.0, help="seconds of training at 100 Mbit/s (half at 1 Gbit/s)"
+    )
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), help="training runs (sync first: the target loss)")
+    p.add_argument(
+        "--configs", nargs="+", default=list(CONFIGS), help="training runs (sync first: the target loss)"
+    )
     p.add_argument("--worker", nargs=argparse.REMAINDER)
     args = p.parse_args()
     if args.worker:
@@ -150,7 +166,12 @@ def main():
                     wire = nbytes * (1.0 if compression == "float32" else 0.5) * 2 * (2 - 1) / 2  # N = 2
                     limit = wire / (bits / 8)
                     worker = ["reduce", "--bytes", str(nbytes), "--reps", str(args.reps)]
-                    got = run(hosts, backend, worker + (["--compression", "bfloat16"] if compression != "float32" else []), 600)
+                    got = run(
+                        hosts,
+                        backend,
+                        worker + (["--compression", "bfloat16"] if compression != "float32" else []),
+                        600,
+                    )
                     row += [f"{got['seconds']:.3f}", f"{got['seconds'] / limit:.2f}"]
                 print(f"| {backend} | {rate} | {nbytes / 1e6:.0f} | " + " | ".join(row) + " |", flush=True)
         hosts.shape(None)
@@ -158,15 +179,27 @@ def main():
             for rate in args.train_rates:
                 hosts.shape(rate)
                 budget = args.budget if rate == "100mbit" else args.budget / 2
-                results = {c: run(hosts, backend, ["train", "--config", c, "--budget", str(budget)], 600) for c in args.configs}
+                results = {
+                    c: run(hosts, backend, ["train", "--config", c, "--budget", str(budget)], 600)
+                    for c in args.configs
+                }
                 target = results["sync"]["loss"]
-                print(f"\n{backend}, {rate}, {budget:g} s each: | run | steps | steps/s | MB sent per host | loss | "
-                      f"reached sync's final loss after |")  # fmt: skip
+                print(
+                    f"\n{backend}, {rate}, {budget:g} s each: | run | steps | steps/s | MB sent per host | loss | "
+                    f"reached sync's final loss after |"
+                )
                 for name, r in results.items():
                     t = reached(r["trace"], target)
-                    when = "-" if t is None or name == "sync" else f"{t / results['sync']['seconds']:.2f} of sync's time"
-                    print(f"| {name} | {r['steps']} | {r['steps'] / r['seconds']:.2f} | {r['sent'] / 1e6:.1f} | "
-                          f"{r['loss']:.3f} | {when} |", flush=True)  # fmt: skip
+                    when = (
+                        "-"
+                        if t is None or name == "sync"
+                        else f"{t / results['sync']['seconds']:.2f} of sync's time"
+                    )
+                    print(
+                        f"| {name} | {r['steps']} | {r['steps'] / r['seconds']:.2f} | {r['sent'] / 1e6:.1f} | "
+                        f"{r['loss']:.3f} | {when} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

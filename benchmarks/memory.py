@@ -20,7 +20,9 @@ ROW = re.compile(r"\[rank 0\] rank (\d+): .* peak memory +([\d.]+) MiB  peak RSS
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backend", default="mpi")
     parser.add_argument("--ns", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=3)
@@ -30,9 +32,25 @@ def main():
 
     rows = {}
     for n in args.ns:
-        command = [sys.executable, "-m", "distributed_utils.launch", "-n", str(n), "--backend", args.backend,
-                   sys.executable, str(ROOT / "examples" / "llama_tinystories.py"), "--data", "generated",
-                   "--steps", str(args.steps), "--block", str(args.block), "--batch-size", str(args.batch_size)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "distributed_utils.launch",
+            "-n",
+            str(n),
+            "--backend",
+            args.backend,
+            sys.executable,
+            str(ROOT / "examples" / "llama_tinystories.py"),
+            "--data",
+            "generated",
+            "--steps",
+            str(args.steps),
+            "--block",
+            str(args.block),
+            "--batch-size",
+            str(args.batch_size),
+        ]
         run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
         found = [(float(m), float(r)) for _, m, r in ROW.findall(run.stdout)]
         if run.returncode or len(found) != n:
@@ -40,8 +58,10 @@ def main():
         rows[n] = (max(m for m, _ in found), max(r for _, r in found))
 
     first = rows[args.ns[0]]
-    print(f"{args.backend}, per-rank batch {args.batch_size} x {args.block} tokens, {args.steps} steps; "
-          f"the largest rank; ratios to {args.ns[0]} rank(s)")  # fmt: skip
+    print(
+        f"{args.backend}, per-rank batch {args.batch_size} x {args.block} tokens, {args.steps} steps; "
+        f"the largest rank; ratios to {args.ns[0]} rank(s)"
+    )
     print(f"{'ranks':>5}{'MLX peak MiB':>14}{'ratio':>7}{'peak RSS MiB':>14}{'ratio':>7}")
     for n, (mlx_peak, rss) in rows.items():
         print(f"{n:>5}{mlx_peak:>14.1f}{mlx_peak / first[0]:>7.2f}{rss:>14.1f}{rss / first[1]:>7.2f}")

@@ -47,8 +47,11 @@ def worker(rounds):
             seconds[delay].append((time.perf_counter() - start) / 24)
     if du.local_rank(backend) == 0:
         mean = {d: sum(t) / len(t) for d, t in seconds.items()}
-        print(f"RESULT no delay {mean[0] * 1e3:.0f} ms/step, fragment_sync_delay=4 {mean[4] * 1e3:.0f} ms/step, "
-              f"ratio {mean[4] / mean[0]:.2f}", flush=True)  # fmt: skip
+        print(
+            f"RESULT no delay {mean[0] * 1e3:.0f} ms/step, fragment_sync_delay=4 {mean[4] * 1e3:.0f} ms/step, "
+            f"ratio {mean[4] / mean[0]:.2f}",
+            flush=True,
+        )
 
 
 def main():
@@ -66,9 +69,14 @@ def main():
         hosts.shape(args.rate)
         for backend in args.backends:
             argv = ["python", __file__, "--worker", "--rounds", str(args.rounds)]
-            done = subprocess.run(hosts.launcher(backend, argv), cwd=ROOT, capture_output=True, text=True, timeout=900)
+            done = subprocess.run(
+                hosts.launcher(backend, argv), cwd=ROOT, capture_output=True, text=True, timeout=900
+            )
             lines = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
-            print(f"{backend}, {args.rate}: " + (lines[0] if lines else f"failed:\n{done.stdout}\n{done.stderr}"))
+            print(
+                f"{backend}, {args.rate}: "
+                + (lines[0] if lines else f"failed:\n{done.stdout}\n{done.stderr}")
+            )
 
 
 if __name__ == "__main__":

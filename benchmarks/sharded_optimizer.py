@@ -35,7 +35,9 @@ def state_bytes(opt) -> int:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
@@ -44,8 +46,10 @@ def main():
     n, rank = du.total_workers(backend), du.local_rank(backend)
     grads = llama_gradients(rank)
     params = {name: llama_gradients(10**6) for name in METHODS}  # the same on every rank
-    opts = {name: du.DistributedOptimizer(backend, optim.AdamW(1e-4), shard_optimizer_state=shard)
-            for name, shard in METHODS.items()}  # fmt: skip
+    opts = {
+        name: du.DistributedOptimizer(backend, optim.AdamW(1e-4), shard_optimizer_state=shard)
+        for name, shard in METHODS.items()
+    }
     times = {name: [] for name in METHODS}
     peaks = {name: 0 for name in METHODS}
     for rep in range(args.warmup + args.reps):
@@ -60,23 +64,34 @@ def main():
             if rep >= args.warmup:
                 times[name].append(elapsed)
                 peaks[name] = max(peaks[name], mx.get_peak_memory() - before)
-    same = all(mx.array_equal(a, b).item() for (_, a), (_, b) in
-               zip(tree_flatten(params["replicated"]), tree_flatten(params["sharded"])))  # fmt: skip
+    same = all(
+        mx.array_equal(a, b).item()
+        for (_, a), (_, b) in zip(tree_flatten(params["replicated"]), tree_flatten(params["sharded"]))
+    )
 
     resident = 2 * sum(a.nbytes for _, a in tree_flatten(grads))  # the parameters and the gradients
-    mine = np.array([[state_bytes(opts[m]), peaks[m], resident + state_bytes(opts[m]) + peaks[m],
-                      np.median(times[m])] for m in METHODS], np.float64)  # fmt: skip
+    mine = np.array(
+        [
+            [state_bytes(opts[m]), peaks[m], resident + state_bytes(opts[m]) + peaks[m], np.median(times[m])]
+            for m in METHODS
+        ],
+        np.float64,
+    )
     worst = du.allreduce(backend, mine, "max")  # the slowest, fullest rank
     if rank == 0:
         mib = 2**20
-        print(f"{type(backend).__name__}, {n} ranks, AdamW on 28.4M float32 parameters; "
-              f"parameters identical after {args.warmup + args.reps} steps: {same}")  # fmt: skip
+        print(
+            f"{type(backend).__name__}, {n} ranks, AdamW on 28.4M float32 parameters; "
+            f"parameters identical after {args.warmup + args.reps} steps: {same}"
+        )
         print(f"{'method':<12}{'state MiB':>11}{'step peak MiB':>15}{'total MiB':>11}{'step ms':>9}")
         for name, (state, peak, total, t) in zip(METHODS, worst):
             print(f"{name:<12}{state / mib:>11.1f}{peak / mib:>15.1f}{total / mib:>11.1f}{t * 1e3:>9.1f}")
         (rs, rp, rtotal, rt), (ss, sp, stotal, st) = worst
-        print(f"sharded/replicated: state {ss / rs:.3f} (1/N = {1 / n:.3f}), step peak {sp / rp:.2f}, "
-              f"total {stotal / rtotal:.2f}, step time {st / rt:.2f}")  # fmt: skip
+        print(
+            f"sharded/replicated: state {ss / rs:.3f} (1/N = {1 / n:.3f}), step peak {sp / rp:.2f}, "
+            f"total {stotal / rtotal:.2f}, step time {st / rt:.2f}"
+        )
 
 
 if __name__ == "__main__":

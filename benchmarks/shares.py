@@ -39,8 +39,15 @@ def main():
     y = np.tanh(x[:, :16]).astype(np.float32)
     data = du.DistributedDataContainer(backend, (x, y))
     mx.random.seed(0)
-    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                          nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 16))  # fmt: skip
+    model = nn.Sequential(
+        nn.Linear(256, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 16),
+    )
     du.synchronize(backend, model)
     opt = du.DistributedOptimizer(backend, optim.AdamW(1e-3))
     loss_and_grad = nn.value_and_grad(model, lambda m, a, b: nn.losses.mse_loss(m(a), b))

@@ -76,11 +76,15 @@ def main():
     fns = {"bcast": lambda: mx.eval(du.bcast(backend, flat)), "synchronize": sync, "per leaf": per_leaf}
     rows = timed(backend, fns, args.reps)
     if rank == 0:
-        print(f"{size} ranks, {type(backend).__name__}: {sum(a.size for a in leaves) / 1e6:.1f}M values "
-              f"in {len(leaves)} arrays, {nbytes / 2**20:.0f} MiB; median of {args.reps} runs\n")  # fmt: skip
+        print(
+            f"{size} ranks, {type(backend).__name__}: {sum(a.size for a in leaves) / 1e6:.1f}M values "
+            f"in {len(leaves)} arrays, {nbytes / 2**20:.0f} MiB; median of {args.reps} runs\n"
+        )
         print("| what | ms | GB/s | / bcast |\n| --- | ---: | ---: | ---: |")
         for name, seconds in rows.items():
-            print(f"| {name} | {seconds * 1e3:.1f} | {nbytes / seconds / 1e9:.2f} | {seconds / rows['bcast']:.2f} |")
+            print(
+                f"| {name} | {seconds * 1e3:.1f} | {nbytes / seconds / 1e9:.2f} | {seconds / rows['bcast']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -3,9 +3,26 @@
 PYTEST_DONT_REWRITE (its pytest plugin loads it; it holds no tests to rewrite)
 """
 
-from .collectives import CollectiveMismatchError, allgather, allreduce, avg, barrier, bcast, reduce, weighted_mean
-from .backends import (AbstractBackend, BackendUnavailableError, JACCLBackend, MLXBackend, MLXMPIBackend, MPIBackend,
-                       NCCLBackend, RingBackend)  # fmt: skip
+from .collectives import (
+    CollectiveMismatchError,
+    allgather,
+    allreduce,
+    avg,
+    barrier,
+    bcast,
+    reduce,
+    weighted_mean,
+)
+from .backends import (
+    AbstractBackend,
+    BackendUnavailableError,
+    JACCLBackend,
+    MLXBackend,
+    MLXMPIBackend,
+    MPIBackend,
+    NCCLBackend,
+    RingBackend,
+)
 from .checkpoint import CheckpointError, load_checkpoint, save_adapters, save_checkpoint
 from .data import DistributedDataContainer
 from .diloco import DiLoCo

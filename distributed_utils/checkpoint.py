@@ -35,8 +35,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read, or does not fit the model; raised on every rank."""
 
 
-def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, step=None, extra=None, keep=None,
-                    trainable_only=False):  # fmt: skip
+def save_checkpoint(
+    backend,
+    path,
+    *,
+    model=None,
+    optimizer=None,
+    data=None,
+    step=None,
+    extra=None,
+    keep=None,
+    trainable_only=False,
+):
     """Collective: rank 0 writes a checkpoint to ``path``; every rank returns once it is there,
     or raises CheckpointError if rank 0 could not (leaving no temporary file).
 
@@ -48,9 +58,13 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
     """
     check_backend(backend)
     if keep is not None:
-        if not (isinstance(keep, int) and keep >= 1 and isinstance(step, int) and step >= 0):  # (names sort by step)
-            raise ValueError(f"save_checkpoint: keep= needs an int >= 1 and an int step= >= 0, got keep={keep!r}, "
-                             f"step={step!r}")  # fmt: skip
+        if not (
+            isinstance(keep, int) and keep >= 1 and isinstance(step, int) and step >= 0
+        ):  # (names sort by step)
+            raise ValueError(
+                f"save_checkpoint: keep= needs an int >= 1 and an int step= >= 0, got keep={keep!r}, "
+                f"step={step!r}"
+            )
         folder, path = Path(path), Path(path) / f"step-{step:012d}.safetensors"
     arrays = {}
     if model is not None:
@@ -58,10 +72,14 @@ def save_checkpoint(backend, path, *, model=None, optimizer=None, data=None, ste
     if optimizer is not None:
         arrays.update(_flat("optimizer", _whole_state(optimizer)))
     meta = {
-        "format": FORMAT, "step": step, "extra": extra, "world_size": backend.size,
+        "format": FORMAT,
+        "step": step,
+        "extra": extra,
+        "world_size": backend.size,
         "data": data.state_dict() if hasattr(data, "state_dict") else data,
-        "optimizer": None if optimizer is None else _optimizer_name(optimizer), "trainable_only": trainable_only,
-    }  # fmt: skip
+        "optimizer": None if optimizer is None else _optimizer_name(optimizer),
+        "trainable_only": trainable_only,
+    }
     try:
         meta_json = json.dumps(meta)
     except TypeError as e:
@@ -119,10 +137,17 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     if meta is None:
         return None
     if optimizer is not None and meta["optimizer"] != _optimizer_name(optimizer):
-        raise CheckpointError(f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a "
-                              f"{_optimizer_name(optimizer)}")  # fmt: skip
+        raise CheckpointError(
+            f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a "
+            f"{_optimizer_name(optimizer)}"
+        )
     if model is not None:
-        _check_fits(path, "model", saved, model.trainable_parameters() if meta.get("trainable_only") else model.parameters())
+        _check_fits(
+            path,
+            "model",
+            saved,
+            model.trainable_parameters() if meta.get("trainable_only") else model.parameters(),
+        )
     if optimizer is not None:  # an initialized one: its state's shapes are known
         _check_fits(path, "optimizer", saved, _whole_state(optimizer) if has_state(optimizer) else None)
     if backend.rank != 0:
@@ -131,7 +156,9 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     mx.eval(arrays)
     if model is not None:
         model.update(tree_unflatten(_section(arrays, "model")))
-    if hasattr(optimizer, "load_whole_state"):  # DistributedOptimizer, DiLoCo (which sets model's local parameters)
+    if hasattr(
+        optimizer, "load_whole_state"
+    ):  # DistributedOptimizer, DiLoCo (which sets model's local parameters)
         optimizer.load_whole_state(tree_unflatten(_section(arrays, "optimizer")), model)
     elif optimizer is not None:
         optimizer.state = tree_unflatten(_section(arrays, "optimizer"))
@@ -140,7 +167,12 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
         mx.random.seed((hi << 32) | lo)  # seed(s) sets the key to [s >> 32, s & 0xffffffff]
     if data is not None and hasattr(data, "load_state_dict"):
         data.load_state_dict(meta["data"])
-    return {"step": meta["step"], "data": meta["data"], "extra": meta["extra"], "world_size": meta["world_size"]}
+    return {
+        "step": meta["step"],
+        "data": meta["data"],
+        "extra": meta["extra"],
+        "world_size": meta["world_size"],
+    }
 
 
 # --- the file -------------------------------------------------------------------------------
@@ -152,8 +184,10 @@ def _flat(section, tree) -> dict:
         if isinstance(leaf, np.ndarray):
             leaf = to_mx(leaf)
         if not isinstance(leaf, mx.array):
-            raise TypeError(f"save_checkpoint: {section} leaf '{key}' is a {type(leaf).__name__}, not an array; "
-                            "pass such values in extra=")  # fmt: skip
+            raise TypeError(
+                f"save_checkpoint: {section} leaf '{key}' is a {type(leaf).__name__}, not an array; "
+                "pass such values in extra="
+            )
         flat[f"{section}.{key}"] = leaf
     return flat
 
@@ -176,8 +210,12 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat):
     for key, a in arrays.items():
         crcs[key] = zlib.crc32(np.asarray(bits(a)))
         heartbeat()
-    metadata = {"distributed_utils": meta_json, "crc32": json.dumps(crcs), "float64": json.dumps(doubles),
-                "keys": json.dumps(list(arrays))}  # (MLX's header sorts them; trees come back in their order)
+    metadata = {
+        "distributed_utils": meta_json,
+        "crc32": json.dumps(crcs),
+        "float64": json.dumps(doubles),
+        "keys": json.dumps(list(arrays)),
+    }  # (MLX's header sorts them; trees come back in their order)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -235,7 +273,9 @@ def _find_and_read(path: Path):
             errors.append(str(e))
             continue
         if errors:
-            warnings.warn(f"skipped {len(errors)} newer damaged checkpoints, loading {candidate}: {'; '.join(errors)}")
+            warnings.warn(
+                f"skipped {len(errors)} newer damaged checkpoints, loading {candidate}: {'; '.join(errors)}"
+            )
         return candidate, arrays, meta
     if errors:
         raise CheckpointError(f"no intact checkpoint in {path}: {'; '.join(errors)}")
@@ -259,8 +299,9 @@ def _verified(path: Path):
         raise CheckpointError(f"{path} is not a distributed_utils checkpoint (no metadata)") from None
     missing = {"format", "step", "extra", "world_size", "data", "optimizer"} - set(meta)
     if meta.get("format") != FORMAT or missing:
-        raise CheckpointError(f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r}, "
-                              f"missing {sorted(missing)})")  # fmt: skip
+        raise CheckpointError(
+            f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r}, missing {sorted(missing)})"
+        )
     if crcs is None:
         warnings.warn(f"{path} was written without checksums (by an older version): loaded unverified")
     else:
@@ -283,8 +324,10 @@ def _check_fits(path, section, saved, tree):
         return
     key = next(k for k in sorted(set(saved) | set(have)) if saved.get(k) != have.get(k))
     shown = lambda sig: "nothing" if sig is None else show(sig)  # noqa: E731
-    raise CheckpointError(f"load_checkpoint: {path} does not fit the {section}: at '{key}' the checkpoint has "
-                          f"{shown(saved.get(key))} and the {section} {shown(have.get(key))}")  # fmt: skip
+    raise CheckpointError(
+        f"load_checkpoint: {path} does not fit the {section}: at '{key}' the checkpoint has "
+        f"{shown(saved.get(key))} and the {section} {shown(have.get(key))}"
+    )
 
 
 def save_adapters(backend, path, model, config=None):

@@ -17,8 +17,17 @@ from .backends import AbstractBackend
 #: Lux's ``DistributedUtils.avg``: the averaging reduction op.
 avg = "avg"
 
-_OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "prod",
-        operator.add: "sum", operator.mul: "prod", max: "max", min: "min"}  # fmt: skip
+_OPS = {
+    "sum": "sum",
+    "avg": "avg",
+    "max": "max",
+    "min": "min",
+    "prod": "prod",
+    operator.add: "sum",
+    operator.mul: "prod",
+    max: "max",
+    min: "min",
+}
 _BOOLS = {mx.bool_, np.dtype(bool)}
 
 
@@ -152,8 +161,12 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     tracing = not (isinstance(arrays, np.ndarray) or evaluate(arrays))  # (numpy needs no evaluation)
     with watchdog.Collective(backend.rank, what, details, arrays) as call:
         if call is not None and call.debug and backend.size > 1 and not tracing:  # (its gathers: nested)
-            check_same(backend, "ranks issued different collectives (DU_DEBUG)", {"collective": call.text()},
-                       CollectiveMismatchError)  # fmt: skip
+            check_same(
+                backend,
+                "ranks issued different collectives (DU_DEBUG)",
+                {"collective": call.text()},
+                CollectiveMismatchError,
+            )
         try:
             out = primitive(arrays)
             if wait and not isinstance(out, np.ndarray):
@@ -161,9 +174,11 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
         except RuntimeError as e:  # MLX's and mpi4py's (the debug check's is raised above)
             if call is None:  # nested: the outermost collective names it
                 raise
-            raise RuntimeError(f"rank {backend.rank}: collective {call.text(limit=3)} failed in the transport: {e} "
-                               "(a peer that died fails so, as do ranks passing different kinds, shapes or dtypes: "
-                               "DU_DEBUG=1 names those)") from e  # fmt: skip
+            raise RuntimeError(
+                f"rank {backend.rank}: collective {call.text(limit=3)} failed in the transport: {e} "
+                "(a peer that died fails so, as do ranks passing different kinds, shapes or dtypes: "
+                "DU_DEBUG=1 names those)"
+            ) from e
     return out
 
 
@@ -248,7 +263,9 @@ def check_same(backend, who: str, values: dict, error=ValueError):
         differ = [r for r, theirs in enumerate(everyone) if theirs[name] != everyone[0][name]]
         if differ:
             shown = ", ".join(f"rank {r}: {theirs[name]}" for r, theirs in enumerate(everyone))
-            raise error(f"{who}: every rank needs the same {name}; ranks {differ} differ from rank 0 ({shown})")
+            raise error(
+                f"{who}: every rank needs the same {name}; ranks {differ} differ from rank 0 ({shown})"
+            )
 
 
 # --- arguments -------------------------------------------------------------------------
@@ -267,8 +284,10 @@ def _as_numpy(x):
     if isinstance(x, np.ndarray):
         return check_travels(x), to_numpy
     if not isinstance(x, (bool, int, float, complex, np.generic)):
-        raise TypeError(f"cannot reduce a {type(x).__name__}: pass an mx.array, a numpy array or a Python number "
-                        "(use du.synchronize for trees and objects)")  # fmt: skip
+        raise TypeError(
+            f"cannot reduce a {type(x).__name__}: pass an mx.array, a numpy array or a Python number "
+            "(use du.synchronize for trees and objects)"
+        )
     arr = np.asarray(x)
     if isinstance(x, int) and not isinstance(x, bool) and arr.dtype != np.int64:
         raise TypeError(f"the integer {x} does not fit in int64")
@@ -293,8 +312,10 @@ def _op_name(op) -> str:
     try:
         return _OPS[op]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown reduction op {op!r}: use 'sum', 'avg' (du.avg), 'max', 'min', 'prod', "
-                         "or operator.add, max, min, operator.mul") from None  # fmt: skip
+        raise ValueError(
+            f"unknown reduction op {op!r}: use 'sum', 'avg' (du.avg), 'max', 'min', 'prod', "
+            "or operator.add, max, min, operator.mul"
+        ) from None
 
 
 def _check_op_dtype(op, dtype):

@@ -16,12 +16,21 @@ import numpy as np
 
 from . import watchdog
 from .collectives import allgather, check_same
-from .partition import (batch_count, epoch_indices, exactly_once_indices, global_batch, group_by_length, share_sizes,
-                        shard_bounds, size_of)  # fmt: skip
+from .partition import (
+    batch_count,
+    epoch_indices,
+    exactly_once_indices,
+    global_batch,
+    group_by_length,
+    share_sizes,
+    shard_bounds,
+    size_of,
+)
 from .registry import local_rank, total_workers
 
 #: ``batches(share="auto")`` times this many steps (after one warm-up step) of each epoch.
 AUTO_SHARE_STEPS = 4
+
 
 class DistributedDataContainer:
     """This rank's share of ``data``: a sequence (``len`` and ``data[i]``), a numpy or mx array
@@ -41,12 +50,20 @@ class DistributedDataContainer:
         self.world_size = total_workers(backend)
         self.data = data
         self.epoch = 0
-        self._part = (self.world_size, None, 0)  # this epoch's batches() so far: (world size, batch size, batches)
+        self._part = (
+            self.world_size,
+            None,
+            0,
+        )  # this epoch's batches() so far: (world size, batch size, batches)
         self._before = []  # the parts of this epoch run before a restart at another world size or batch size
         self._resume = None  # load_state_dict's state, for the next batches()
         self._auto_sizes = None  # the batch sizes share="auto" last agreed on
-        self._columns, self._n = _columns_and_length(data, self._label)  # columns: None unless a tuple or dict
-        check_same(backend, self._label, {"data (the whole data set), of length": self._n})  # (else: unequal steps)
+        self._columns, self._n = _columns_and_length(
+            data, self._label
+        )  # columns: None unless a tuple or dict
+        check_same(
+            backend, self._label, {"data (the whole data set), of length": self._n}
+        )  # (else: unequal steps)
         self.indices = range(*shard_bounds(self._n, self.world_size, self.rank))
         if collate is not None and not callable(collate):
             raise TypeError(f"{self._label}: collate must be a function from a list of items to a batch")
@@ -62,7 +79,9 @@ class DistributedDataContainer:
             return lambda indices: [of_item(i) for i in indices.tolist()]
         table = np.asarray(lengths)
         if table.shape != (self._n,):
-            raise ValueError(f"{self._label}: lengths must give one number per item ({self._n}), got shape {table.shape}")
+            raise ValueError(
+                f"{self._label}: lengths must give one number per item ({self._n}), got shape {table.shape}"
+            )
         return lambda indices: table[indices]
 
     def __len__(self):
@@ -98,8 +117,13 @@ class DistributedDataContainer:
         if self._resume is not None:  # loaded, and not yet resumed by batches()
             return {"before": [], "batch_size": None, **self._resume}
         world_size, batch_size, batches = self._part
-        return {"epoch": self.epoch, "batches": batches, "world_size": world_size, "batch_size": batch_size,
-                "before": [list(part) for part in self._before]}  # fmt: skip
+        return {
+            "epoch": self.epoch,
+            "batches": batches,
+            "world_size": world_size,
+            "batch_size": batch_size,
+            "before": [list(part) for part in self._before],
+        }
 
     def load_state_dict(self, state: dict):
         """Resume from ``state_dict()``: the next ``batches()`` of the saved epoch (given no
@@ -107,9 +131,11 @@ class DistributedDataContainer:
         items not yet visited anew over this job's ranks (each still visited once)."""
         epoch, batches = operator.index(state["epoch"]), operator.index(state["batches"])
         if batches and state.get("batch_size") is None and state["world_size"] != self.world_size:
-            raise ValueError(f"{self._label}: the data position was saved by {state['world_size']} ranks in the middle "
-                             f"of epoch {epoch} ({batches} batches) by an older version, without its batch size; "
-                             f"resume with {state['world_size']} ranks, or from a checkpoint saved at an epoch's end")
+            raise ValueError(
+                f"{self._label}: the data position was saved by {state['world_size']} ranks in the middle "
+                f"of epoch {epoch} ({batches} batches) by an older version, without its batch size; "
+                f"resume with {state['world_size']} ranks, or from a checkpoint saved at an epoch's end"
+            )
         self.epoch, self._resume = epoch, state
 
     def _resumed_parts(self, epoch, batch_size):
@@ -117,19 +143,34 @@ class DistributedDataContainer:
         state, self._resume = self._resume, None
         if state is None or state["epoch"] != epoch:
             return [], 0
-        before = [(int(w), b if isinstance(b, list) else int(b), int(k)) for w, b, k in state.get("before", [])]
+        before = [
+            (int(w), b if isinstance(b, list) else int(b), int(k)) for w, b, k in state.get("before", [])
+        ]
         world_size, saved_batch, batches = state["world_size"], state.get("batch_size"), state["batches"]
         if batches == 0 or (saved_batch in (None, batch_size) and world_size == self.world_size):
             return before, batches
         if self.rank == 0:
-            warnings.warn(f"{self._label}: epoch {epoch} was saved after {batches} batches of {saved_batch} items on "
-                          f"each of {world_size} ranks (global batch {global_batch(world_size, saved_batch)}); its "
-                          f"items not yet visited are sharded anew over {self.world_size} ranks with batches of "
-                          f"{batch_size} (global batch {global_batch(self.world_size, batch_size)})", stacklevel=3)
+            warnings.warn(
+                f"{self._label}: epoch {epoch} was saved after {batches} batches of {saved_batch} items on "
+                f"each of {world_size} ranks (global batch {global_batch(world_size, saved_batch)}); its "
+                f"items not yet visited are sharded anew over {self.world_size} ranks with batches of "
+                f"{batch_size} (global batch {global_batch(self.world_size, batch_size)})",
+                stacklevel=3,
+            )
         return [*before, (world_size, saved_batch, batches)], 0
 
-    def batches(self, batch_size, *, shuffle=False, seed=0, epoch=None, drop_last=False, start=None,
-                exactly_once=False, share=None):  # fmt: skip
+    def batches(
+        self,
+        batch_size,
+        *,
+        shuffle=False,
+        seed=0,
+        epoch=None,
+        drop_last=False,
+        start=None,
+        exactly_once=False,
+        share=None,
+    ):
         """Yields this rank's batches of one epoch: items stacked into mx.arrays (a tuple or dict
         of them for such data; non-numbers stay lists), or ``collate``'s. Collective: every rank
         passes the same arguments (else ValueError on every rank) and yields as many batches.
@@ -147,15 +188,31 @@ class DistributedDataContainer:
         batch_size = self._batch_size(batch_size)
         epoch = self.epoch if epoch is None else operator.index(epoch)
         start = None if start is None else operator.index(start)
-        check_same(self.backend, f"{self._label}: batches()", dict(batch_size=batch_size, shuffle=shuffle, seed=seed,
-                   epoch=epoch, drop_last=drop_last, exactly_once=exactly_once, auto_share=share == "auto",
-                   start=start, position_loaded=self._resume))  # fmt: skip
+        check_same(
+            self.backend,
+            f"{self._label}: batches()",
+            dict(
+                batch_size=batch_size,
+                shuffle=shuffle,
+                seed=seed,
+                epoch=epoch,
+                drop_last=drop_last,
+                exactly_once=exactly_once,
+                auto_share=share == "auto",
+                start=start,
+                position_loaded=self._resume,
+            ),
+        )
         if share is not None:
             batch_size = self._agreed_sizes(batch_size, share)
         before, skip = self._resumed_parts(epoch, batch_size)
         start = skip if start is None else start
         if exactly_once and (drop_last or before):
-            why = "drop_last skips items" if drop_last else "the epoch was begun at another world size or batch size"
+            why = (
+                "drop_last skips items"
+                if drop_last
+                else "the epoch was begun at another world size or batch size"
+            )
             raise ValueError(f"{self._label}: exactly_once cannot visit every item once here: {why}")
         order = dict(shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last)
         return self._sized_batches(order, before, batch_size, start, share == "auto", exactly_once)
@@ -164,18 +221,36 @@ class DistributedDataContainer:
         """The epoch's batches (``batch_size``: one, or every rank's list), handed out by ``_counted``."""
         mine = size_of(batch_size, self.rank)
         if exactly_once:
-            order, real = exactly_once_indices(self._n, self.world_size, self.rank, batch_size, shuffle=order_of["shuffle"],
-                                               seed=order_of["seed"], epoch=order_of["epoch"])  # fmt: skip
+            order, real = exactly_once_indices(
+                self._n,
+                self.world_size,
+                self.rank,
+                batch_size,
+                shuffle=order_of["shuffle"],
+                seed=order_of["seed"],
+                epoch=order_of["epoch"],
+            )
             mask = mx.array(real.astype(np.float32))
         else:
-            order, real = epoch_indices(self._n, self.world_size, self.rank, batch_size, done=before, **order_of), None
+            order, real = (
+                epoch_indices(self._n, self.world_size, self.rank, batch_size, done=before, **order_of),
+                None,
+            )
         if self._lengths is not None:
             order = group_by_length(order, self._lengths, mine, real)
         if not 0 <= start <= -(-len(order) // mine):
-            raise ValueError(f"{self._label}: start={start} is not in 0..{-(-len(order) // mine)} (batches in this epoch)")
-        batches = (self._fetch(order[b : b + mine]) if real is None else (self._fetch(order[b : b + mine]), mask[b : b + mine])
-                   for b in range(start * mine, len(order), mine))  # fmt: skip
-        return self._counted(order_of["epoch"], before, batch_size, start, batches, order_of if auto else None)
+            raise ValueError(
+                f"{self._label}: start={start} is not in 0..{-(-len(order) // mine)} (batches in this epoch)"
+            )
+        batches = (
+            self._fetch(order[b : b + mine])
+            if real is None
+            else (self._fetch(order[b : b + mine]), mask[b : b + mine])
+            for b in range(start * mine, len(order), mine)
+        )
+        return self._counted(
+            order_of["epoch"], before, batch_size, start, batches, order_of if auto else None
+        )
 
     def _agreed_sizes(self, batch_size, share) -> list:
         """Collective: every rank's batch size for ``share`` (a number; "auto": the sizes last
@@ -183,18 +258,30 @@ class DistributedDataContainer:
         if share == "auto":
             saved = (self._resume or {}).get("batch_size")
             for sizes in (self._auto_sizes, saved, [batch_size] * self.world_size):
-                if isinstance(sizes, list) and len(sizes) == self.world_size and sum(sizes) == batch_size * self.world_size:
+                if (
+                    isinstance(sizes, list)
+                    and len(sizes) == self.world_size
+                    and sum(sizes) == batch_size * self.world_size
+                ):
                     return sizes
-        ok = not isinstance(share, bool) and isinstance(share, (int, float, np.number)) and 0 < share < float("inf")
+        ok = (
+            not isinstance(share, bool)
+            and isinstance(share, (int, float, np.number))
+            and 0 < share < float("inf")
+        )
         shares = allgather(self.backend, np.array([float(share) if ok else np.nan]))
         bad = [r for r, s in enumerate(shares) if not s > 0]
         if bad:
-            raise ValueError(f"{self._label}: share must be a positive number or 'auto'; ranks {bad} passed another "
-                             f"(shares: {shares.tolist()})")  # fmt: skip
+            raise ValueError(
+                f"{self._label}: share must be a positive number or 'auto'; ranks {bad} passed another "
+                f"(shares: {shares.tolist()})"
+            )
         sizes = share_sizes(batch_size, shares)
         if min(sizes) == 0:
-            raise ValueError(f"{self._label}: shares {shares.tolist()} give ranks {[r for r, k in enumerate(sizes) if not k]} "
-                             f"no item of the {sum(sizes)} per step; raise their shares or the batch size")  # fmt: skip
+            raise ValueError(
+                f"{self._label}: shares {shares.tolist()} give ranks {[r for r, k in enumerate(sizes) if not k]} "
+                f"no item of the {sum(sizes)} per step; raise their shares or the batch size"
+            )
         return sizes
 
     def _measured_sizes(self, sizes, clock) -> list:
@@ -207,8 +294,11 @@ class DistributedDataContainer:
             self._auto_sizes[r] += 1
             self._auto_sizes[int(np.argmax(self._auto_sizes))] -= 1
         if self.rank == 0:
-            print(f"distributed_utils: batch shares (auto, epoch {self.epoch}): {self._auto_sizes} items per step by "
-                  f"rank, for {np.round(speeds, 1).tolist()} items/s of each rank's own work", file=sys.stderr)  # fmt: skip
+            print(
+                f"distributed_utils: batch shares (auto, epoch {self.epoch}): {self._auto_sizes} items per step by "
+                f"rank, for {np.round(speeds, 1).tolist()} items/s of each rank's own work",
+                file=sys.stderr,
+            )
         return self._auto_sizes
 
     def _counted(self, epoch, before, batch_size, start, batches, auto=None):
@@ -247,8 +337,10 @@ class DistributedDataContainer:
         return int(batch_size)
 
     def __repr__(self):
-        return (f"DistributedDataContainer(rank={self.rank}, world_size={self.world_size}, "
-                f"items {self.indices.start}..{self.indices.stop - 1} of {self._n})")
+        return (
+            f"DistributedDataContainer(rank={self.rank}, world_size={self.world_size}, "
+            f"items {self.indices.start}..{self.indices.stop - 1} of {self._n})"
+        )
 
 
 def _columns_and_length(data, where):
@@ -261,19 +353,25 @@ def _columns_and_length(data, where):
         lengths = {}
         for key, field in data.items() if isinstance(data, dict) else enumerate(data):
             if not _indexable(field) or isinstance(field, (tuple, dict)):
-                raise TypeError(f"{where}: field {key!r} is a {type(field).__name__}; the fields of a tuple or dict "
-                                "must be arrays or lists (len and indexing; no nested tuples or dicts)")  # fmt: skip
+                raise TypeError(
+                    f"{where}: field {key!r} is a {type(field).__name__}; the fields of a tuple or dict "
+                    "must be arrays or lists (len and indexing; no nested tuples or dicts)"
+                )
             lengths[key] = _len(field, where)
         (first, n), *_ = lengths.items()
         for key, m in lengths.items():
             if m != n:
-                raise ValueError(f"{where}: field {key!r} has {m} items but field {first!r} has {n}; every field "
-                                 "needs the same length (first axis)")  # fmt: skip
+                raise ValueError(
+                    f"{where}: field {key!r} has {m} items but field {first!r} has {n}; every field "
+                    "needs the same length (first axis)"
+                )
     elif _indexable(data):
         n = _len(data, where)
     else:
-        raise TypeError(f"{where}: cannot index a {type(data).__name__}; pass a sequence (an iterator: list() it "
-                        "first), a numpy or mx array, a tuple or dict of arrays, or a datasets.Dataset")  # fmt: skip
+        raise TypeError(
+            f"{where}: cannot index a {type(data).__name__}; pass a sequence (an iterator: list() it "
+            "first), a numpy or mx array, a tuple or dict of arrays, or a datasets.Dataset"
+        )
     if n == 0:
         raise ValueError(f"{where}: data is empty (0 items)")
     return columns, n

@@ -38,29 +38,53 @@ class DiLoCo(optim.Optimizer):
     the fragment's last sync (pass it on every step or none).
     """
 
-    def __init__(self, backend, inner_optimizer, *, outer_optimizer=None, sync_every=100, fragments=1,
-                 compression=None, bucket_bytes=None, fragment_sync_delay=0, fragment_update_alpha=0.0):  # fmt: skip
+    def __init__(
+        self,
+        backend,
+        inner_optimizer,
+        *,
+        outer_optimizer=None,
+        sync_every=100,
+        fragments=1,
+        compression=None,
+        bucket_bytes=None,
+        fragment_sync_delay=0,
+        fragment_update_alpha=0.0,
+    ):
         check_backend(backend)
         for name, opt in (("inner_optimizer", inner_optimizer), ("outer_optimizer", outer_optimizer)):
             if isinstance(getattr(opt, "reduction", None), Reduction):  # a DistributedOptimizer or DiLoCo
-                raise TypeError(f"DiLoCo: {name} is already distributed ({type(opt).__name__}); pass the plain "
-                                "mlx.optimizers optimizer: DiLoCo does the communication")  # fmt: skip
+                raise TypeError(
+                    f"DiLoCo: {name} is already distributed ({type(opt).__name__}); pass the plain "
+                    "mlx.optimizers optimizer: DiLoCo does the communication"
+                )
             if not (opt is None and name == "outer_optimizer") and not isinstance(opt, optim.Optimizer):
                 raise TypeError(f"DiLoCo: {name} must be an mlx.optimizers.Optimizer, got {opt!r}")
-        for name, value, least in (("sync_every", sync_every, 1), ("fragments", fragments, 1),
-                                   ("fragment_sync_delay", fragment_sync_delay, 0)):  # fmt: skip
+        for name, value, least in (
+            ("sync_every", sync_every, 1),
+            ("fragments", fragments, 1),
+            ("fragment_sync_delay", fragment_sync_delay, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"DiLoCo: {name} must be an int >= {least}, got {value!r}")
         if fragments > sync_every:
-            raise ValueError(f"DiLoCo: fragments={fragments} is more than sync_every={sync_every}: each fragment "
-                             "syncs once every sync_every steps, at its own step")  # fmt: skip
+            raise ValueError(
+                f"DiLoCo: fragments={fragments} is more than sync_every={sync_every}: each fragment "
+                "syncs once every sync_every steps, at its own step"
+            )
         if fragment_sync_delay >= sync_every // fragments:
-            raise ValueError(f"DiLoCo: fragment_sync_delay={fragment_sync_delay} must be less than sync_every // "
-                             f"fragments = {sync_every // fragments}, the steps between two fragments' syncs")  # fmt: skip
+            raise ValueError(
+                f"DiLoCo: fragment_sync_delay={fragment_sync_delay} must be less than sync_every // "
+                f"fragments = {sync_every // fragments}, the steps between two fragments' syncs"
+            )
         if not 0 <= fragment_update_alpha <= 1:
-            raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}")
+            raise ValueError(
+                f"DiLoCo: fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}"
+            )
         self.backend, self.inner_optimizer = backend, inner_optimizer
-        self.outer_optimizer = optim.SGD(0.7, momentum=0.9, nesterov=True) if outer_optimizer is None else outer_optimizer
+        self.outer_optimizer = (
+            optim.SGD(0.7, momentum=0.9, nesterov=True) if outer_optimizer is None else outer_optimizer
+        )
         self.sync_every, self.fragments = sync_every, fragments
         self.delay, self.alpha = fragment_sync_delay, float(fragment_update_alpha)
         self.reduction = Reduction(backend, "avg", compression, bucket_bytes)
@@ -77,16 +101,22 @@ class DiLoCo(optim.Optimizer):
         """This rank's inner and outer states, global parameters and step count (``{}`` before ``init``)."""
         if self._global is None:
             return {}
-        return {"inner": self.inner_optimizer.state, "outer": self.outer_optimizer.state, "global": self._global,
-                "steps": mx.array(self._steps, mx.int64)}  # fmt: skip
+        return {
+            "inner": self.inner_optimizer.state,
+            "outer": self.outer_optimizer.state,
+            "global": self._global,
+            "steps": mx.array(self._steps, mx.int64),
+        }
 
     @state.setter
     def state(self, state: dict):
         self._global = dict(tree_flatten(state["global"]))  # flat keys again, however it was nested
         self.inner_optimizer.state = state["inner"]
         outer = state["outer"]
-        self.outer_optimizer.state = {**{k: v for k, v in outer.items() if not isinstance(v, (dict, list))},
-                                      **{key: at_key(outer, key) for key in self._global}}  # fmt: skip
+        self.outer_optimizer.state = {
+            **{k: v for k, v in outer.items() if not isinstance(v, (dict, list))},
+            **{key: at_key(outer, key) for key in self._global},
+        }
         self._steps = int(state["steps"].item())
         self._fragment_keys = _fragments(list(self._global.items()), self.fragments)
 
@@ -102,8 +132,10 @@ class DiLoCo(optim.Optimizer):
         """Local: start from ``parameters`` (those with gradients); the first ``update`` calls it."""
         leaves = floating_leaves(parameters, "DiLoCo.init(parameters)")
         if len(leaves) < self.fragments:
-            raise ValueError(f"DiLoCo: fragments={self.fragments} but the model has only {len(leaves)} "
-                             "parameter arrays; a fragment is at least one array")  # fmt: skip
+            raise ValueError(
+                f"DiLoCo: fragments={self.fragments} but the model has only {len(leaves)} "
+                "parameter arrays; a fragment is at least one array"
+            )
         self._global = dict(leaves)  # (no copy: MLX arrays do not change; the local ones become new arrays)
         self._local = dict(leaves)
         self._fragment_keys = _fragments(leaves, self.fragments)
@@ -123,7 +155,11 @@ class DiLoCo(optim.Optimizer):
             started.update(zip(keys, done))
         weights = mx.zeros((0,)) if self._weights is None else mx.stack(self._weights)
         mine = {"inner": self.inner_optimizer.state, "local": self._local, "weights": weights}
-        return {**self.state, "started": started, "ranks": tree_map(lambda a: allgather(self.backend, a[None]), mine)}
+        return {
+            **self.state,
+            "started": started,
+            "ranks": tree_map(lambda a: allgather(self.backend, a[None]), mine),
+        }
 
     def load_whole_state(self, state: dict, model=None):
         """Set the state from ``whole_state()``'s form, and ``model``'s parameters to this rank's
@@ -134,8 +170,11 @@ class DiLoCo(optim.Optimizer):
         self._weights = [w for w in ranks["weights"][row]] if ranks["weights"].shape[1] else None
         self._local = {k: v[row] for k, v in tree_flatten(ranks["local"])}
         started = dict(tree_flatten(state.get("started", {})))
-        self._started = {f: (keys, lambda done=[started[k] for k in keys]: done)
-                         for f, keys in enumerate(self._fragment_keys) if keys[0] in started}  # fmt: skip
+        self._started = {
+            f: (keys, lambda done=[started[k] for k in keys]: done)
+            for f, keys in enumerate(self._fragment_keys)
+            if keys[0] in started
+        }
         if model is not None:
             model.update(tree_unflatten(list(self._local.items())))
 
@@ -153,9 +192,17 @@ class DiLoCo(optim.Optimizer):
         if self._global is None:
             if self.backend.size > 1:
                 check_same_parameters(self.backend, parameters, "DiLoCo")
-                check_same(self.backend, "DiLoCo", dict(sync_every=self.sync_every, fragments=self.fragments,
-                           compression=self.reduction.compression, fragment_sync_delay=self.delay,
-                           fragment_update_alpha=self.alpha))  # fmt: skip
+                check_same(
+                    self.backend,
+                    "DiLoCo",
+                    dict(
+                        sync_every=self.sync_every,
+                        fragments=self.fragments,
+                        compression=self.reduction.compression,
+                        fragment_sync_delay=self.delay,
+                        fragment_update_alpha=self.alpha,
+                    ),
+                )
             self.init(tree_map(lambda _, p: p, gradients, parameters))
         if self._steps == 0 and weight is not None:
             self._weights = [mx.array(0.0)] * self.fragments
@@ -179,7 +226,10 @@ class DiLoCo(optim.Optimizer):
         pseudo = {k: self._global[k] - local[k] for k in keys}
         weight = None if self._weights is None else self._weights[f]
         leaves = self.reduction.leaves(pseudo, weight, "DiLoCo's sync")
-        self._started[f] = ([k for k, _ in leaves], self.reduction.start([g for _, g in leaves], 1.0, weight, self.delay > 0))
+        self._started[f] = (
+            [k for k, _ in leaves],
+            self.reduction.start([g for _, g in leaves], 1.0, weight, self.delay > 0),
+        )
         if self._weights is not None:
             self._weights[f] = mx.array(0.0)
 
@@ -187,7 +237,9 @@ class DiLoCo(optim.Optimizer):
         """Collective: this rank's parameters of fragment ``f`` after its outer step (the new global
         ones, or mixed with its own: ``fragment_update_alpha``)."""
         keys, averaged = self._started.pop(f)
-        updated = self.outer_optimizer.apply_gradients(dict(zip(keys, averaged())), {k: self._global[k] for k in keys})
+        updated = self.outer_optimizer.apply_gradients(
+            dict(zip(keys, averaged())), {k: self._global[k] for k in keys}
+        )
         mx.eval(updated, self.outer_optimizer.state)
         self._global.update(updated)
         return updated if not self.alpha else {k: g + self.alpha * (local[k] - g) for k, g in updated.items()}
@@ -200,7 +252,9 @@ def _fragments(leaves, count) -> list:
         run.append(key)
         filled += a.nbytes
         left = len(leaves) - i - 1  # every later run needs an array
-        if len(out) < count - 1 and (filled >= total * (len(out) + 1) / count or left == count - 1 - len(out)):
+        if len(out) < count - 1 and (
+            filled >= total * (len(out) + 1) / count or left == count - 1 - len(out)
+        ):
             out.append(run)
             run = []
     return out + [run]

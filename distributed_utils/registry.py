@@ -41,12 +41,15 @@ def _handshake(backend):
             f"{type(backend).__name__}: {environment.launcher_name()} started {expected} processes but this backend "
             f"sees a world of {backend.size}; launch it with `du-launch --backend {backend.launch_name}`, or "
             f"initialize the backend this job was started for (du.initialize() with no argument: "
-            f"{environment.launched_backend_name()})")
+            f"{environment.launched_backend_name()})"
+        )
     hosts, jobs = zip(*allgather(backend, (socket.gethostname(), environment.job_id())))
     if len(set(jobs)) > 1:
         by_job = {job: [r for r, j in enumerate(jobs) if j == job] for job in dict.fromkeys(jobs)}
-        raise RuntimeError(f"{type(backend).__name__}: rank {backend.rank} is connected to processes of another "
-                           f"job (ranks by job id: {by_job}); two jobs share a port")  # fmt: skip
+        raise RuntimeError(
+            f"{type(backend).__name__}: rank {backend.rank} is connected to processes of another "
+            f"job (ranks by job id: {by_job}); two jobs share a port"
+        )
     backend.node_rank = hosts[: backend.rank].count(hosts[backend.rank])
 
 
@@ -82,8 +85,10 @@ def node_rank(backend) -> int:
 
 def _check_backend_type(backend_type):
     if isinstance(backend_type, AbstractBackend):
-        raise TypeError(f"expected a backend class such as du.{type(backend_type).__name__}, "
-                        f"got the backend instance {backend_type!r}")  # fmt: skip
+        raise TypeError(
+            f"expected a backend class such as du.{type(backend_type).__name__}, "
+            f"got the backend instance {backend_type!r}"
+        )
     if not (isinstance(backend_type, type) and issubclass(backend_type, AbstractBackend)):
         names = ", du.".join(c.__name__ for c in BY_LAUNCH_NAME.values())
         raise TypeError(f"expected a backend class (one of du.{names}), got {backend_type!r}")

@@ -64,8 +64,13 @@ def stdout_like_a_pipe():
     columns, lines = shutil.get_terminal_size((80, 24))  # COLUMNS and LINES first
     fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
     old = sys.stdout
-    sys.stdout = _Pipe(old.buffer, encoding=old.encoding, errors=old.errors,
-                       line_buffering=old.line_buffering, write_through=old.write_through)  # fmt: skip
+    sys.stdout = _Pipe(
+        old.buffer,
+        encoding=old.encoding,
+        errors=old.errors,
+        line_buffering=old.line_buffering,
+        write_through=old.write_through,
+    )
 
 
 def say_finished():

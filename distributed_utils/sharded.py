@@ -26,9 +26,11 @@ def check_elementwise(optimizer):
         "Muon": "it orthogonalizes each matrix's update as a whole",
     }.get(type(optimizer).__name__, "it is not known to update each element on its own")
     names = ", ".join(c.__name__ for c in ELEMENTWISE) + " (and AdamW, a subclass of Adam)"
-    raise ValueError(f"shard_optimizer_state=True splits the optimizer state element by element, which is exact "
-                     f"only for {names}; {type(optimizer).__name__} cannot be split so: {why}. Use "
-                     "shard_optimizer_state=False")
+    raise ValueError(
+        f"shard_optimizer_state=True splits the optimizer state element by element, which is exact "
+        f"only for {names}; {type(optimizer).__name__} cannot be split so: {why}. Use "
+        "shard_optimizer_state=False"
+    )
 
 
 class Layout:
@@ -66,7 +68,9 @@ class Layout:
 
     def shard(self, slices: dict, name: str) -> mx.array:
         """This rank's shard of group ``name``, from its slices (``my_slices``'s form)."""
-        return _padded([slices[key] for key, *_ in self.groups[name] if key in self.slices], self.shard_size[name], name)
+        return _padded(
+            [slices[key] for key, *_ in self.groups[name] if key in self.slices], self.shard_size[name], name
+        )
 
     def slices_of(self, shard: mx.array, name: str) -> dict:
         """The slices of this rank's ``shard`` of group ``name`` (``shard``'s inverse)."""
@@ -131,7 +135,9 @@ class ShardedState:
         entries = sorted(set().union(*allgather(self.backend, mine)))  # (a rank may hold no slice)
         for name in layout.groups:
             for entry in entries:
-                shard = layout.shard({key: s[entry] for key, s in state.items() if key in layout.slices}, name)
+                shard = layout.shard(
+                    {key: s[entry] for key, s in state.items() if key in layout.slices}, name
+                )
                 for key, a in layout.unflatten(allgather(self.backend, shard), name).items():
                     per_key[key][entry] = a
         return {**whole, **tree_unflatten(list(per_key.items()))}
@@ -148,9 +154,11 @@ class ShardedState:
             if self._pending is not None:
                 self._apply_pending()
         elif not self.layout.fits(leaves):
-            raise ValueError("DistributedOptimizer(shard_optimizer_state=True): the gradient tree changed (keys, "
-                             "shapes or dtypes) since the state was sharded; its slices no longer fit. Keep the same "
-                             "trainable parameters, or save a checkpoint and load it into a new DistributedOptimizer")
+            raise ValueError(
+                "DistributedOptimizer(shard_optimizer_state=True): the gradient tree changed (keys, "
+                "shapes or dtypes) since the state was sharded; its slices no longer fit. Keep the same "
+                "trainable parameters, or save a checkpoint and load it into a new DistributedOptimizer"
+            )
         return self.layout
 
     def _apply_pending(self):
@@ -169,7 +177,9 @@ class ShardedState:
             return layout.my_slices(dict(zip(grads, reduced)))
         names = list(layout.groups)
         shards = self.reduction.reduce_scatter([layout.flatten(grads, name) for name in names], scale, weight)
-        return {key: s for name, shard in zip(names, shards) for key, s in layout.slices_of(shard, name).items()}
+        return {
+            key: s for name, shard in zip(names, shards) for key, s in layout.slices_of(shard, name).items()
+        }
 
 
 def at_key(tree, key: str):

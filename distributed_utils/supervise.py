@@ -30,9 +30,13 @@ _WATCHDOG = re.compile(rb"^du watchdog: rank (\d+):(?:.*(this process itself was
 _MPIRUN_RANK = re.compile(rb"process rank (\d+)|Process name: \[\S+,(\d+)\]")
 _MPIRUN_SIGNAL = re.compile(rb"^signal (\d+) \(")
 _MPIRUN_LOST = re.compile(rb"lost communication with a remote daemon")
-_MPIRUN_NOT_STARTED = re.compile(rb"The PMIx server's listener thread failed to start")  # seen once in CI: transient
+_MPIRUN_NOT_STARTED = re.compile(
+    rb"The PMIx server's listener thread failed to start"
+)  # seen once in CI: transient
 # what MLX's ring prints on the ranks that lose a peer: an effect, not the cause, of a failure
-_PEER_LOST = re.compile(rb"^\[ring\] (Socket \d+ was closed|Sending to socket|Too many send/recv)|peer was lost")
+_PEER_LOST = re.compile(
+    rb"^\[ring\] (Socket \d+ was closed|Sending to socket|Too many send/recv)|peer was lost"
+)
 _print_lock = threading.Lock()
 
 
@@ -41,9 +45,13 @@ def spawn(argv, env, *, die_with_launcher=signal.SIGKILL):
     gets ``die_with_launcher`` when the launcher dies, even by SIGKILL (prctl PDEATHSIG)."""
     try:
         return subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
             preexec_fn=_parent_death_signal(die_with_launcher),
-        )  # fmt: skip
+        )
     except FileNotFoundError as e:
         raise SystemExit(f"du-launch: cannot run {argv[0]!r}: {e.strerror}") from None
 
@@ -102,15 +110,20 @@ class Report:
     def watchdog_summary(self) -> str:
         text = f"the watchdog ended the job: ranks {sorted(self.watchdog)} waited past the timeout (see their reports)"
         if self.stopped:
-            return text + f"; ranks {sorted(self.stopped)} had been stopped (SIGSTOP or frozen) while waiting: the cause"
+            return (
+                text
+                + f"; ranks {sorted(self.stopped)} had been stopped (SIGSTOP or frozen) while waiting: the cause"
+            )
         silent = sorted(set(range(self.world_size)) - self.watchdog)
         early = sorted(self.finished & set(silent))
         if early:
             text += f"; ranks {early} had already finished their program: they left the job early"
         rest = sorted(set(silent) - set(early))
         if rest:
-            text += (f"; ranks {rest} did not report waiting: they are behind, stuck elsewhere, failed "
-                     "otherwise, or their report was lost")  # fmt: skip
+            text += (
+                f"; ranks {rest} did not report waiting: they are behind, stuck elsewhere, failed "
+                "otherwise, or their report was lost"
+            )
         return text
 
 
@@ -169,7 +182,9 @@ def supervise(procs, world_size, tagged=False, report_dir=None, grace=0):
     readers = {}  # rank (0 for mpirun) -> the threads reading its output
     for rank, p in enumerate(procs):
         for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
-            t = threading.Thread(target=forward, args=(stream, out, report, None if tagged else rank), daemon=True)
+            t = threading.Thread(
+                target=forward, args=(stream, out, report, None if tagged else rank), daemon=True
+            )
             t.start()
             readers.setdefault(rank, []).append(t)
     stop_on_signals(procs, report, grace)
@@ -211,8 +226,10 @@ def wait_ranks(procs, report, readers):
     cause = next((f for f in failures if f[0] not in report.peer_lost), None)
     early = [r for r, c in exits if c == 0]  # (reaped in any order too)
     if cause is None and early:
-        log(f"rank {early[0]} exited with code 0 while the others still ran: it left the job early "
-            f"(ranks {sorted(report.peer_lost)} lost it as a peer); stopping the other ranks")  # fmt: skip
+        log(
+            f"rank {early[0]} exited with code 0 while the others still ran: it left the job early "
+            f"(ranks {sorted(report.peer_lost)} lost it as a peer); stopping the other ranks"
+        )
         stop(procs)
         code = failures[0][1]
         return Failure(128 - code if code < 0 else code, early[0], "left the job early (exit code 0)")
@@ -308,8 +325,10 @@ def stop_on_signals(procs, report, grace=0):
         if report.preempted is not None:
             return
         report.preempted = signum
-        log(f"received {signal.Signals(signum).name}: forwarded to the ranks as SIGUSR1; they have {grace:g} s "
-            "to save (du.preempted) and exit")  # fmt: skip
+        log(
+            f"received {signal.Signals(signum).name}: forwarded to the ranks as SIGUSR1; they have {grace:g} s "
+            "to save (du.preempted) and exit"
+        )
         for p in procs:
             if not getattr(p, "remote", False):  # (remote ranks hear it from du.preempted's collective)
                 _signal(p.pid, signal.SIGUSR1)

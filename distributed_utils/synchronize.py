@@ -11,7 +11,15 @@ from mlx.utils import tree_flatten
 from .arrays import UINT_BY_SIZE, bits, width
 from .collectives import bcast, check_root, root_runs
 from .optimizer import DistributedOptimizer
-from .tree import BROADCAST_BUCKET_BYTES, TreeMismatchError, buckets, describe, pack, unpack, verify_same_structure
+from .tree import (
+    BROADCAST_BUCKET_BYTES,
+    TreeMismatchError,
+    buckets,
+    describe,
+    pack,
+    unpack,
+    verify_same_structure,
+)
 
 
 def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
@@ -32,7 +40,9 @@ def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
     if model is not None:
         raise TypeError(f"{what}: model= is only for optimizers")
     if isinstance(x, Module):
-        params = _synchronize_tree(backend, x.trainable_parameters() if trainable_only else x.parameters(), root, what)
+        params = _synchronize_tree(
+            backend, x.trainable_parameters() if trainable_only else x.parameters(), root, what
+        )
         return x if backend.rank == root else x.update(params)
     if trainable_only:
         raise TypeError(f"{what}: trainable_only= is only for an nn.Module")
@@ -51,8 +61,10 @@ def _synchronize_optimizer(backend, opt, root, model, what):
         hint = "an optimizer not yet updated needs opt.init(model.trainable_parameters()) or model=model"
         raise TreeMismatchError(f"{e}; {hint}") from None
     if not has_state(opt):  # the same on every rank: their states have the same structure
-        raise ValueError(f"{what}: the state is not initialized; call opt.init(model.trainable_parameters()) "
-                         "first, or pass model=model")
+        raise ValueError(
+            f"{what}: the state is not initialized; call opt.init(model.trainable_parameters()) "
+            "first, or pass model=model"
+        )
     if backend.rank != root and sharded:
         opt.state.update(state)
     elif backend.rank != root:
@@ -76,8 +88,10 @@ def _synchronize_tree(backend, tree, root, what):
     skeleton = root_runs(backend, lambda: _map(_stand_in, tree), root, TypeError, f"send {what}")
     arrays = [leaf for _, leaf in tree_flatten(tree) if _travels_as_bits(leaf)]
     # Root sends its arrays' bits; the others receive into zeros of the same widths and sizes.
-    sent = [bits(a) if backend.rank == root else mx.zeros((a.nbytes // width(a),), UINT_BY_SIZE[width(a)])
-            for a in arrays]  # fmt: skip
+    sent = [
+        bits(a) if backend.rank == root else mx.zeros((a.nbytes // width(a),), UINT_BY_SIZE[width(a)])
+        for a in arrays
+    ]
     received = [None] * len(arrays)
     for bucket in buckets(sent, BROADCAST_BUCKET_BYTES):  # bcast evaluates: one bucket at a time
         flat = bcast(backend, pack(sent, bucket), root)

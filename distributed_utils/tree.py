@@ -12,7 +12,9 @@ from mlx.utils import tree_flatten, tree_map
 from .arrays import show, signature
 from .collectives import allgather
 
-GRADIENT_BUCKET_BYTES = 32 * 2**20  # gradients packed per collective (mlx.nn.average_gradients uses 32 MiB too)
+GRADIENT_BUCKET_BYTES = (
+    32 * 2**20
+)  # gradients packed per collective (mlx.nn.average_gradients uses 32 MiB too)
 BROADCAST_BUCKET_BYTES = 16 * 2**20  # synchronize's buckets: small enough to stay in MLX's buffer cache
 
 
@@ -25,7 +27,9 @@ def floating_leaves(tree, what: str) -> list:
     leaves = [(key, a) for key, a in tree_flatten(tree) if isinstance(a, mx.array)]
     for key, a in leaves:
         if not mx.issubdtype(a.dtype, mx.inexact):
-            raise TypeError(f"{what}: '{key}' has dtype {a.dtype}; gradients and the parameters they update are floating")
+            raise TypeError(
+                f"{what}: '{key}' has dtype {a.dtype}; gradients and the parameters they update are floating"
+            )
     return leaves
 
 
@@ -99,8 +103,10 @@ def _mismatch_message(descriptions: list, what: str) -> str:
         return f"{what}: ranks {ranks} order the tree's keys differently from rank 0"
     have = "; ".join(f"rank {r} has {_leaf(t.get(key, 'missing'))}" for r, t in enumerate(tables))
     differ = [r for r, t in enumerate(tables) if t.get(key, "missing") != tables[0].get(key, "missing")]
-    return (f"{what}: ranks hold different trees; first difference at key '{key}': {have} "
-            f"(ranks {differ} differ from rank 0)")  # fmt: skip
+    return (
+        f"{what}: ranks hold different trees; first difference at key '{key}': {have} "
+        f"(ranks {differ} differ from rank 0)"
+    )
 
 
 def _leaf(sig) -> str:

@@ -35,7 +35,9 @@ class _State:
         self.stopped = []  # (from, to): when this process did not run
 
 
-_state = _State()  # (an instance: assigning to a class's attributes at every collective invalidates type caches)
+_state = (
+    _State()
+)  # (an instance: assigning to a class's attributes at every collective invalidates type caches)
 
 
 def configure(timeout=None, debug=None):
@@ -88,7 +90,9 @@ class Collective:
     def text(self, limit=None) -> str:
         """``#5 allreduce(float32(3,), sum)``: what reports show (the first ``limit`` arrays) and
         what must agree across ranks in debug mode."""
-        arrays = self.arrays if isinstance(self.arrays, list) else [] if self.arrays is None else [self.arrays]
+        arrays = (
+            self.arrays if isinstance(self.arrays, list) else [] if self.arrays is None else [self.arrays]
+        )
         shown = [show(signature(a)) for a in arrays[:limit]]
         more = [f"... ({len(arrays)} arrays)"] if limit is not None and len(arrays) > limit else []
         return f"#{self.seq} {self.what}({', '.join(shown + more + list(self.details))})"
@@ -184,8 +188,10 @@ def _expire(entries):
         since = time.strftime("%H:%M:%S", time.localtime(time.time() - (now - e.start)))
         stopped = sum(min(b, now) - max(a, e.start) for a, b in _state.stopped if b > e.start)
         also = f"; this process itself was stopped for {stopped:.1f} s of it" if stopped > 1 else ""
-        _say(f"du watchdog: rank {rank}: {name} waiting since {since} ({now - e.start:.1f} s, timeout {e.timeout:g} s; "
-             f"last finished collective: #{_state.done}); exiting{also}")
+        _say(
+            f"du watchdog: rank {rank}: {name} waiting since {since} ({now - e.start:.1f} s, timeout {e.timeout:g} s; "
+            f"last finished collective: #{_state.done}); exiting{also}"
+        )
     time.sleep(GRACE)
     os._exit(EXIT_CODE)
 

@@ -58,11 +58,13 @@ def evaluate(backend, model, test):
     the global numbers, and ranks with shards of different sizes are weighed correctly."""
     x, y = (mx.array(np.stack(column)) for column in zip(*test))  # this rank's shard, one batch
     logits = model(x)
-    local = mx.stack([
-        nn.losses.cross_entropy(logits, y, reduction="sum"),
-        (logits.argmax(axis=-1) == y).sum().astype(mx.float32),
-        mx.array(y.size, mx.float32),
-    ])  # fmt: skip
+    local = mx.stack(
+        [
+            nn.losses.cross_entropy(logits, y, reduction="sum"),
+            (logits.argmax(axis=-1) == y).sum().astype(mx.float32),
+            mx.array(y.size, mx.float32),
+        ]
+    )
     loss_sum, correct, count = du.allreduce(backend, local, "sum").tolist()
     return loss_sum / count, correct / count
 
@@ -81,8 +83,12 @@ def main():
     p.add_argument("--batch-size", type=int, default=32, help="per rank (default: 32)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", metavar="DIR", help="rank 0 saves DIR/digits.safetensors after every epoch")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in DIR, if there is one")
+    p.add_argument(
+        "--checkpoint", metavar="DIR", help="rank 0 saves DIR/digits.safetensors after every epoch"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the checkpoint in DIR, if there is one"
+    )
     args = p.parse_args()
     if args.resume and not args.checkpoint:
         p.error("--resume needs --checkpoint DIR")
@@ -116,8 +122,10 @@ def main():
             log(f"resumed from {path} at epoch {first_epoch + 1} (step {saved['step']})")
 
     steps = train.num_batches(args.batch_size)  # the same on every rank
-    log(f"{type(backend).__name__}: {world} ranks, {len(x_train)} training images "
-        f"({len(train)} on rank 0), {steps} steps of {world} x {args.batch_size} per epoch")  # fmt: skip
+    log(
+        f"{type(backend).__name__}: {world} ranks, {len(x_train)} training images "
+        f"({len(train)} on rank 0), {steps} steps of {world} x {args.batch_size} per epoch"
+    )
     # 5. Train: the DESIGN.md loop, plus evaluation, logging and checkpoints after each epoch.
     loss_and_grad = nn.value_and_grad(model, loss_fn)
     start = time.perf_counter()
@@ -138,16 +146,21 @@ def main():
         # training loss averaged over ranks; test metrics over the whole test set
         train_loss = du.allreduce(backend, float(np.mean(losses)), "avg")
         test_loss, test_acc = evaluate(backend, model, test)
-        log(f"epoch {epoch + 1:3d}  train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
-            f"test accuracy {test_acc:.4f}")  # fmt: skip
+        log(
+            f"epoch {epoch + 1:3d}  train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
+            f"test accuracy {test_acc:.4f}"
+        )
 
         if path:  # collective (not under `if rank == 0`): rank 0 writes, the others wait for it
-            du.save_checkpoint(backend, path, model=model, optimizer=opt, data={"epoch": epoch + 1},
-                               step=(epoch + 1) * steps)  # fmt: skip
+            du.save_checkpoint(
+                backend, path, model=model, optimizer=opt, data={"epoch": epoch + 1}, step=(epoch + 1) * steps
+            )
 
     test_loss, test_acc = evaluate(backend, model, test)
-    log(f"final test loss {test_loss:.4f}  test accuracy {test_acc:.4f}  "
-        f"({time.perf_counter() - start:.1f} s on {world} ranks)")  # fmt: skip
+    log(
+        f"final test loss {test_loss:.4f}  test accuracy {test_acc:.4f}  "
+        f"({time.perf_counter() - start:.1f} s on {world} ranks)"
+    )
     log(f"parameter checksum {checksum(model)}")
 
 

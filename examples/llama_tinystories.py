@@ -54,8 +54,10 @@ class Attention(nn.Module):
 
     def __call__(self, x):
         B, L, D = x.shape
-        q, k, v = (p(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3) for p in
-                   (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        q, k, v = (
+            p(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         q, k = self.rope(q), self.rope(k)
         scale = (D // self.n_heads) ** -0.5
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
@@ -142,26 +144,34 @@ def generated_story(rng):
     name, friend = rng.sample(NAMES, 2)
     animal, thing, place = rng.choice(ANIMALS), rng.choice(THINGS), rng.choice(PLACES)
     feeling, later = rng.sample(FEELINGS, 2)
-    return " ".join([
-        rng.choice(["Once upon a time,", "One day,", "Long ago,"]) +
-        f" there was a little {animal} named {name}.",
-        f"{name} liked to play in the {place} with a {thing}.",
-        rng.choice([
-            f"One day, the {thing} was lost and {name} felt {feeling}.",
-            f"Then a big wind came and took the {thing} away. {name} was {feeling}.",
-            f"But {friend} wanted the {thing} too, and {name} did not want to share.",
-        ]),
-        rng.choice([
-            f"{friend} came to help. They looked under every tree in the {place}.",
-            f"{name} asked {friend}, \"Can you help me?\" {friend} said, \"Yes, I can!\"",
-            f"{name} thought and thought. Then {name} had a good idea.",
-        ]),
-        rng.choice([
-            f"At last they found the {thing}. {name} was {later} and said thank you.",
-            f"They played with the {thing} together all day, and {name} felt {later}.",
-            f"In the end, {name} learned that sharing makes everyone {later}.",
-        ]),
-    ])  # fmt: skip
+    return " ".join(
+        [
+            rng.choice(["Once upon a time,", "One day,", "Long ago,"])
+            + f" there was a little {animal} named {name}.",
+            f"{name} liked to play in the {place} with a {thing}.",
+            rng.choice(
+                [
+                    f"One day, the {thing} was lost and {name} felt {feeling}.",
+                    f"Then a big wind came and took the {thing} away. {name} was {feeling}.",
+                    f"But {friend} wanted the {thing} too, and {name} did not want to share.",
+                ]
+            ),
+            rng.choice(
+                [
+                    f"{friend} came to help. They looked under every tree in the {place}.",
+                    f'{name} asked {friend}, "Can you help me?" {friend} said, "Yes, I can!"',
+                    f"{name} thought and thought. Then {name} had a good idea.",
+                ]
+            ),
+            rng.choice(
+                [
+                    f"At last they found the {thing}. {name} was {later} and said thank you.",
+                    f"They played with the {thing} together all day, and {name} felt {later}.",
+                    f"In the end, {name} learned that sharing makes everyone {later}.",
+                ]
+            ),
+        ]
+    )
 
 
 class GeneratedStories:
@@ -201,8 +211,12 @@ def main():
     p.add_argument("--block", type=int, default=512, help="tokens per sequence (default: 512)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank and step (default: 4)")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default: 3e-4)")
-    p.add_argument("--data", choices=["auto", "generated"], default="auto",
-                   help="auto: TinyStories if cached locally, else generated (default: auto)")  # fmt: skip
+    p.add_argument(
+        "--data",
+        choices=["auto", "generated"],
+        default="auto",
+        help="auto: TinyStories if cached locally, else generated (default: auto)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
@@ -223,8 +237,10 @@ def main():
     du.synchronize(backend, model)  # rank 0's initial weights everywhere
     opt = du.DistributedOptimizer(backend, optim.AdamW(learning_rate=args.lr))
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    log(f"{type(backend).__name__}: {world} ranks; Llama with {n_params / 1e6:.1f}M parameters; "
-        f"data: {source}; {args.steps} steps of {world} x {args.batch_size} x {args.block} tokens")  # fmt: skip
+    log(
+        f"{type(backend).__name__}: {world} ranks; Llama with {n_params / 1e6:.1f}M parameters; "
+        f"data: {source}; {args.steps} steps of {world} x {args.batch_size} x {args.block} tokens"
+    )
 
     loss_and_grad = nn.value_and_grad(model, loss_fn)
     step_times = []
@@ -243,10 +259,14 @@ def main():
     timed = step_times[1:] or step_times  # the first step includes warm-up
     step_s = float(np.mean(timed))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux (bytes on macOS)
-    mine = mx.array([[args.batch_size * args.block / step_s, step_s * 1000, mx.get_peak_memory() / 2**20, rss]])
+    mine = mx.array(
+        [[args.batch_size * args.block / step_s, step_s * 1000, mx.get_peak_memory() / 2**20, rss]]
+    )
     table = du.allgather(backend, mine).tolist()  # one row per rank, in rank order
     for r, (tok_s, ms, mib, rss_mib) in enumerate(table):
-        log(f"rank {r}: {tok_s:8.0f} tokens/s  {ms:7.1f} ms/step  peak memory {mib:7.1f} MiB  peak RSS {rss_mib:7.1f} MiB")
+        log(
+            f"rank {r}: {tok_s:8.0f} tokens/s  {ms:7.1f} ms/step  peak memory {mib:7.1f} MiB  peak RSS {rss_mib:7.1f} MiB"
+        )
     log(f"total: {sum(row[0] for row in table):.0f} tokens/s on {world} ranks")
 
 

@@ -65,8 +65,11 @@ def write_data(folder: Path, train_items=800, valid_items=101, seed=0):
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<pad>", "<unk>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=["<pad>", "<unk>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts["train"], trainer)
     tokenizer.save(str(folder / "tokenizer.json"))
 
@@ -96,9 +99,16 @@ def collate_with(tokenizer, max_length=256):
 def base_model(vocab_size, seed=0):
     """The "pretrained" base: a tiny Llama from mlx-lm's classes, the same on every rank."""
     mx.random.seed(seed)
-    args = llama.ModelArgs(model_type="llama", hidden_size=96, num_hidden_layers=2, intermediate_size=192,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                           vocab_size=vocab_size)  # fmt: skip
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=96,
+        num_hidden_layers=2,
+        intermediate_size=192,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab_size,
+    )
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
@@ -136,7 +146,9 @@ def main():
     tokenizer = Tokenizer.from_file(str(data_dir / "tokenizer.json"))
     collate = collate_with(tokenizer)
     train_items, valid_items = read_items(data_dir / "train.jsonl"), read_items(data_dir / "valid.jsonl")
-    train = du.DistributedDataContainer(backend, train_items, collate=collate, lengths=lambda item: len(item["text"]))
+    train = du.DistributedDataContainer(
+        backend, train_items, collate=collate, lengths=lambda item: len(item["text"])
+    )
     valid = du.DistributedDataContainer(backend, valid_items, collate=collate)
 
     model = with_lora(base_model(tokenizer.get_vocab_size()))
@@ -174,8 +186,16 @@ def main():
             if rank == 0:
                 print(f"step {step_no} loss {everyone:.6f}", flush=True)
             if step_no % args.save_every == 0:
-                du.save_checkpoint(backend, out / "checkpoints", model=model, optimizer=opt, data=train,
-                                   step=step_no, keep=2, trainable_only=True)  # fmt: skip
+                du.save_checkpoint(
+                    backend,
+                    out / "checkpoints",
+                    model=model,
+                    optimizer=opt,
+                    data=train,
+                    step=step_no,
+                    keep=2,
+                    trainable_only=True,
+                )
             if step_no == args.iters:
                 break
 

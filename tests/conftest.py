@@ -37,7 +37,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         marker = item.get_closest_marker("world")
         wanted = marker.kwargs if marker else {}
-        fits = backend.size >= wanted.get("min_size", 1) and isinstance(backend, wanted.get("backend") or du.AbstractBackend)
+        fits = backend.size >= wanted.get("min_size", 1) and isinstance(
+            backend, wanted.get("backend") or du.AbstractBackend
+        )
         keep.append(fits)
     config.hook.pytest_deselected(items=[item for item, fits in zip(items, keep) if not fits])
     items[:] = [item for item, fits in zip(items, keep) if fits]

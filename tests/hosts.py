@@ -26,10 +26,11 @@ class Hosts:
         self.shell = tmp / "netns-shell"  # HOST COMMAND...: run COMMAND on HOST, as ssh would
         cases = "".join(f"  {a}) ns={n} ;;\n" for a, n in zip(self.addresses, self.names))
         self.shell.write_text(
-            "#!/bin/sh\nhost=$1; shift\ncase $host in\n" + cases
+            "#!/bin/sh\nhost=$1; shift\ncase $host in\n"
+            + cases
             + '  *) echo "netns-shell: no host $host" >&2; exit 255 ;;\nesac\n'
             + 'exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && $*"\n'
-        )  # fmt: skip
+        )
         self.shell.chmod(0o755)
 
     def create(self):
@@ -44,15 +45,37 @@ class Hosts:
     def launcher(self, backend, command, hostfile=None, remote_shell=None):
         """argv that runs du-launch on host a."""
         return [
-            "ip", "netns", "exec", self.names[0], "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-            self.names[0], sys.executable, "-m", "distributed_utils.launch", "--backend", backend,
-            "--hostfile", str(hostfile or self.hostfile), "--remote-shell", remote_shell or f"{self.shell} {{host}}",
+            "ip",
+            "netns",
+            "exec",
+            self.names[0],
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.names[0],
+            sys.executable,
+            "-m",
+            "distributed_utils.launch",
+            "--backend",
+            backend,
+            "--hostfile",
+            str(hostfile or self.hostfile),
+            "--remote-shell",
+            remote_shell or f"{self.shell} {{host}}",
             *command,
-        ]  # fmt: skip
+        ]
 
     def run(self, backend, command, timeout=120, **kw):
-        return subprocess.run(self.launcher(backend, command, **kw), cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "DU_TIMEOUT": "30"})  # fmt: skip
+        return subprocess.run(
+            self.launcher(backend, command, **kw),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "DU_TIMEOUT": "30"},
+        )
 
     def set_link(self, state):
         ip("-n", self.names[0], "link", "set", self.names[0], state)
@@ -62,18 +85,52 @@ class Hosts:
         filter (a burst of 10 ms at that rate); None: unlimited again."""
         for name in self.names:
             if rate is None:
-                subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "del", "dev", name, "root"], capture_output=True)
+                subprocess.run(
+                    ["ip", "netns", "exec", name, "tc", "qdisc", "del", "dev", name, "root"],
+                    capture_output=True,
+                )
                 continue
-            burst = max(32_000, int(float(rate.removesuffix("mbit").removesuffix("gbit")) * (1e9 if rate.endswith("gbit") else 1e6) / 8 / 100))
-            run = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "replace", "dev", name, "root", "tbf",
-                                  "rate", rate, "burst", str(burst), "latency", "50ms"], capture_output=True, text=True)  # fmt: skip
+            burst = max(
+                32_000,
+                int(
+                    float(rate.removesuffix("mbit").removesuffix("gbit"))
+                    * (1e9 if rate.endswith("gbit") else 1e6)
+                    / 8
+                    / 100
+                ),
+            )
+            run = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    name,
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    name,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "50ms",
+                ],
+                capture_output=True,
+                text=True,
+            )
             if run.returncode:
                 raise RuntimeError(f"tc on {name}: {run.stderr.strip()}")
 
     def sent_bytes(self) -> list:
         """Bytes each host has sent over the link so far."""
-        return [int(ip("-n", n, "-s", "-j", "link", "show", "dev", n).split('"tx":{"bytes":')[1].split(",")[0])
-                for n in self.names]  # fmt: skip
+        return [
+            int(ip("-n", n, "-s", "-j", "link", "show", "dev", n).split('"tx":{"bytes":')[1].split(",")[0])
+            for n in self.names
+        ]
 
     def pids(self, running=""):
         """The processes in the namespaces (whose command line contains ``running``)."""

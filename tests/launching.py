@@ -14,9 +14,14 @@ def launch(n, backend, command, timeout=300, env=None):
     A run past ``timeout`` is killed with its whole process group and reported as a failure."""
     argv = [sys.executable, "-m", "distributed_utils.launch", "-n", str(n), "--backend", backend, *command]
     proc = subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -28,7 +28,9 @@ def digits(*args, backend="mpi"):
 def test_digits_trains_past_90_percent_and_resumes_where_it_stopped(tmp_path):
     """The README's main job (10 epochs by default), then the same run cut in two by a
     checkpoint: the resumed run prints the same epochs and ends with the same bits."""
-    pytest.importorskip("sklearn", reason="the digits example needs the examples extra: pip install '.[examples]'")
+    pytest.importorskip(
+        "sklearn", reason="the digits example needs the examples extra: pip install '.[examples]'"
+    )
     whole, epochs, accuracy, checksum = digits()
     assert sorted(epochs) == list(range(1, 11)), whole.stdout
     losses = [float(EPOCH.search(epochs[e]).group(2)) for e in sorted(epochs)]
@@ -49,14 +51,21 @@ def test_digits_trains_past_90_percent_and_resumes_where_it_stopped(tmp_path):
 
 
 def test_llama_trains_and_reports_throughput_and_memory_per_rank():
-    run = launch(2, "mpi", ["python", "examples/llama_tinystories.py", "--steps", "2", "--block", "16",
-                            "--batch-size", "1"], timeout=240)  # fmt: skip
+    run = launch(
+        2,
+        "mpi",
+        ["python", "examples/llama_tinystories.py", "--steps", "2", "--block", "16", "--batch-size", "1"],
+        timeout=240,
+    )
     assert run.returncode == 0, run.stdout
     assert "Llama with 28.4M parameters" in run.stdout, run.stdout
     losses = [float(x) for x in re.findall(r"\[rank 0\] step +\d+  loss ([\d.]+)", run.stdout)]
     assert len(losses) == 2 and losses[-1] < losses[0], run.stdout
     for rank in (0, 1):  # gathered to rank 0, which prints a row per rank
-        assert re.search(rf"\[rank 0\] rank {rank}: +\d+ tokens/s +[\d.]+ ms/step  peak memory +[\d.]+ MiB  peak RSS", run.stdout)
+        assert re.search(
+            rf"\[rank 0\] rank {rank}: +\d+ tokens/s +[\d.]+ ms/step  peak memory +[\d.]+ MiB  peak RSS",
+            run.stdout,
+        )
     assert re.search(r"\[rank 0\] total: \d+ tokens/s on 2 ranks", run.stdout), run.stdout
 
 
@@ -137,8 +146,12 @@ LORA_BATCH = re.compile(r"\[rank 0\] batch (\d+) ids (\[.*\])")
 
 
 def lora(backend, tmp_path, out, *args):
-    run = launch(2, backend, ["python", str(LORA), "--data", str(tmp_path / "data"), "--out", str(tmp_path / out),
-                              *args], timeout=300)  # fmt: skip
+    run = launch(
+        2,
+        backend,
+        ["python", str(LORA), "--data", str(tmp_path / "data"), "--out", str(tmp_path / out), *args],
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout
     return run, {int(s): float(x) for s, x in LORA_STEP.findall(run.stdout)}
 
@@ -189,10 +202,23 @@ def test_lora_example_steps_like_mlx_lm_trainer_and_resumes_exactly(backend, tmp
         def on_val_loss_report(self, info):
             pass
 
-    args = TrainingArgs(batch_size=16, iters=12, steps_per_report=1, steps_per_eval=10**9, steps_per_save=10**9,
-                        adapter_file=str(tmp_path / "mlx-lm-adapters.safetensors"), max_seq_length=256)  # fmt: skip
-    train(model, optim.Adam(learning_rate=2e-3), items, args=args, iterate_batches=same_batches,
-          training_callback=Losses())  # fmt: skip
+    args = TrainingArgs(
+        batch_size=16,
+        iters=12,
+        steps_per_report=1,
+        steps_per_eval=10**9,
+        steps_per_save=10**9,
+        adapter_file=str(tmp_path / "mlx-lm-adapters.safetensors"),
+        max_seq_length=256,
+    )
+    train(
+        model,
+        optim.Adam(learning_rate=2e-3),
+        items,
+        args=args,
+        iterate_batches=same_batches,
+        training_callback=Losses(),
+    )
     for s in range(1, 13):
         assert abs(losses[s] - reported[s]) < 5e-4, (s, losses[s], reported[s])  # measured: 4e-5 at most
 
@@ -201,7 +227,9 @@ def test_lora_example_steps_like_mlx_lm_trainer_and_resumes_exactly(backend, tmp
     adapted = load_adapters(ex.base_model(tokenizer.get_vocab_size()), str(tmp_path / "whole"))
     saved = mx.load(str(tmp_path / "whole" / "adapters.safetensors"))
     got = dict(tree_flatten(adapted.parameters()))
-    assert len(saved) == 28 and all(mx.array_equal(saved[k], got[k]).item() for k in saved)  # 2 layers x 7 x (a, b)
+    assert len(saved) == 28 and all(
+        mx.array_equal(saved[k], got[k]).item() for k in saved
+    )  # 2 layers x 7 x (a, b)
 
     _, first = lora(backend, tmp_path, "cut", "--iters", "6", "--save-every", "6")
     second_run, second = lora(backend, tmp_path, "cut", "--iters", "12", "--save-every", "6", "--resume")

@@ -98,8 +98,13 @@ def test_two_jobs_at_once_do_not_cross_connect(backend):
     ],
 )
 def test_bad_arguments_are_clear_errors(args, words):
-    run = subprocess.run([sys.executable, "-m", "distributed_utils.launch", *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "distributed_utils.launch", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode != 0
     assert words in run.stderr + run.stdout
 
@@ -108,10 +113,23 @@ def test_hostfile_slots_give_the_rank_count(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# this machine, twice\n127.0.0.1 slots=2\n")
     run = subprocess.run(
-        [sys.executable, "-m", "distributed_utils.launch", "--backend", "ring", "--hostfile", str(hostfile),
-         "python", "-c", REPORT],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "distributed_utils.launch",
+            "--backend",
+            "ring",
+            "--hostfile",
+            str(hostfile),
+            "python",
+            "-c",
+            REPORT,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "[rank 1] RingBackend rank 1 of 2 total 3" in run.stdout
 
@@ -119,8 +137,22 @@ def test_hostfile_slots_give_the_rank_count(tmp_path):
 def test_a_hostfile_line_that_is_not_a_host_is_an_error(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("127.0.0.1 slots=two\n")
-    run = subprocess.run([sys.executable, "-m", "distributed_utils.launch", "--hostfile", str(hostfile),
-                          "python", "-c", "pass"], cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distributed_utils.launch",
+            "--hostfile",
+            str(hostfile),
+            "python",
+            "-c",
+            "pass",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode != 0 and f"{hostfile}:1: expected 'HOST [slots=K]'" in run.stderr
 
 
@@ -128,11 +160,28 @@ def test_a_hostfile_host_that_does_not_resolve_is_a_clear_error(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("127.0.0.1\nno-such-host.invalid\n")  # (.invalid never resolves: RFC 2606)
     for check in ([], ["--check"]):
-        run = subprocess.run([sys.executable, "-m", "distributed_utils.launch", *check, "--hostfile", str(hostfile),
-                              "python", "-c", "pass"], cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "distributed_utils.launch",
+                *check,
+                "--hostfile",
+                str(hostfile),
+                "python",
+                "-c",
+                "pass",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
-        assert ("du-launch: host no-such-host.invalid (ranks [1]) is unreachable: cannot resolve host "
-                "'no-such-host.invalid'") in run.stderr, run.stderr
+        assert (
+            "du-launch: host no-such-host.invalid (ranks [1]) is unreachable: cannot resolve host "
+            "'no-such-host.invalid'"
+        ) in run.stderr, run.stderr
 
 
 OUTPUT = """
@@ -198,7 +247,9 @@ def test_a_test_failing_on_one_rank_ends_the_job_with_its_assertion(backend, tmp
     run = launch(2, backend, ["--timeout", "120", *command], timeout=240)
     assert run.returncode == 1, run.stdout
     assert re.search(r"\[rank 1\] E +AssertionError: rank 1 disagrees", run.stdout), run.stdout
-    assert "rank 1 failed" in run.stdout and "the other ranks cannot go on without it" in run.stdout, run.stdout
+    assert "rank 1 failed" in run.stdout and "the other ranks cannot go on without it" in run.stdout, (
+        run.stdout
+    )
     assert re.search(r"du-launch: rank 1 exited with code 1", run.stdout), run.stdout
     assert "du watchdog:" not in run.stdout and "the watchdog ended the job" not in run.stdout, run.stdout
     assert "test_second" not in run.stdout, run.stdout
@@ -209,7 +260,9 @@ def test_check_on_one_machine_measures_the_job_and_finds_a_missing_script(backen
     run = launch(2, backend, ["--check", "python", "examples/digits.py"], timeout=120)
     assert run.returncode == 0, run.stdout
     assert "examples/digits.py exists" in run.stdout, run.stdout
-    assert re.search(r"\[rank 0\] \S+ \(2 ranks, \w+Backend\): latency \d+ us; bus bandwidth 1 MB", run.stdout), run.stdout
+    assert re.search(
+        r"\[rank 0\] \S+ \(2 ranks, \w+Backend\): latency \d+ us; bus bandwidth 1 MB", run.stdout
+    ), run.stdout
     run = launch(2, backend, ["--check", "python", "no/such/script.py"], timeout=60)
     assert run.returncode == 1, run.stdout
     assert "the script no/such/script.py is missing" in run.stdout, run.stdout
@@ -225,7 +278,9 @@ def test_a_watchdog_report_of_a_stopped_rank_names_it_as_the_cause():
         line = f"du watchdog: rank {rank}: collective #907 bcast(root=0) waiting since 12:30:00 (8.1 s); exiting{tail}\n"
         report.scan(line.encode(), rank, True)
     assert report.watchdog == {0, 1, 2} and report.stopped == {1}
-    assert "ranks [1] had been stopped (SIGSTOP or frozen) while waiting: the cause" in report.watchdog_summary()
+    assert (
+        "ranks [1] had been stopped (SIGSTOP or frozen) while waiting: the cause" in report.watchdog_summary()
+    )
 
 
 @pytest.mark.parametrize("a_rank_ran", [False, True])
@@ -244,7 +299,11 @@ def test_mpirun_that_could_not_start_the_job_is_started_once_more(a_rank_ran, mo
             if a_rank_ran:
                 report.scan(b"imported\n", 0, True)
         attempts.append(report.not_started)
-        return (213, report, Failure(213, None, "exited with code 213")) if len(attempts) == 1 else (0, report, None)
+        return (
+            (213, report, Failure(213, None, "exited with code 213"))
+            if len(attempts) == 1
+            else (0, report, None)
+        )
 
     monkeypatch.setattr(launch, "run_job", run_job)
     with pytest.raises(SystemExit) as ended:

@@ -48,7 +48,10 @@ def test_training_across_two_hosts_matches_one_host(hosts, backend, tmp_path):
     multi = hosts.run(backend, ["python", TRAIN, str(tmp_path / "multi")])
     assert multi.returncode == 0, multi.stdout + multi.stderr
     a, b = hosts.names
-    assert f"[rank 0] done at step 12 on {a}" in multi.stdout and f"[rank 1] done at step 12 on {b}" in multi.stdout
+    assert (
+        f"[rank 0] done at step 12 on {a}" in multi.stdout
+        and f"[rank 1] done at step 12 on {b}" in multi.stdout
+    )
     single = launch(2, backend, ["python", TRAIN, str(tmp_path / "single")], timeout=120)
     assert single.returncode == 0, single.stdout
     want, got = final_params(tmp_path / "single"), final_params(tmp_path / "multi")
@@ -71,19 +74,37 @@ def test_diloco_over_a_100_mbit_link_ends_with_identical_replicas(hosts, backend
     assert len(digests) == 2 and digests["0"] == digests["1"], multi.stdout
     single = launch(2, backend, ["python", TRAIN, str(tmp_path / "single"), "--diloco", "4"], timeout=120)
     assert single.returncode == 0, single.stdout
-    assert "[rank 0] done at step 12 on" in single.stdout and f"parameters {digests['0']}" in single.stdout, single.stdout
+    assert "[rank 0] done at step 12 on" in single.stdout and f"parameters {digests['0']}" in single.stdout, (
+        single.stdout
+    )
 
 
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 def test_cutting_the_link_mid_run_ends_the_job_on_every_host(hosts, backend, tmp_path):
     log = tmp_path / "rank"
-    command = ["python", TRAIN, str(tmp_path / "out"), "--steps", str(10**9), "--say-at", "20", "--log", str(log)]
+    command = [
+        "python",
+        TRAIN,
+        str(tmp_path / "out"),
+        "--steps",
+        str(10**9),
+        "--say-at",
+        "20",
+        "--log",
+        str(log),
+    ]
     proc = subprocess.Popen(
-        hosts.launcher(backend, command), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        hosts.launcher(backend, command),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "DU_TIMEOUT": str(TIMEOUT)},
-    )  # fmt: skip
+    )
     lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)], daemon=True).start()
+    threading.Thread(
+        target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)], daemon=True
+    ).start()
     output = []
     try:
         while not any("at step 20" in line for line in output):
@@ -133,8 +154,10 @@ def test_check_shows_every_hosts_environment_and_measures_the_link(hosts, backen
     for address in hosts.addresses:
         assert f"du-launch: {address}: Python {sys.version.split()[0]} (" in run.stderr, run.stderr
     assert f"{TRAIN} exists" in run.stderr, run.stderr
-    pattern = (rf"\[rank 0\] {hosts.names[0]} <-> {hosts.names[1]} \(2 ranks, \w+Backend\): latency \d+ us; "
-               r"bus bandwidth 1 MB [\d.]+ GB/s, 16 MB [\d.]+ GB/s, 64 MB [\d.]+ GB/s")  # fmt: skip
+    pattern = (
+        rf"\[rank 0\] {hosts.names[0]} <-> {hosts.names[1]} \(2 ranks, \w+Backend\): latency \d+ us; "
+        r"bus bandwidth 1 MB [\d.]+ GB/s, 16 MB [\d.]+ GB/s, 64 MB [\d.]+ GB/s"
+    )
     assert re.search(pattern, run.stdout), run.stdout
 
 
@@ -146,14 +169,18 @@ def test_a_host_with_another_mlx_is_named_at_check_and_at_every_start(hosts, bac
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx\nVersion: 0.0.1\n")
     shell = tmp_path / "skewed-shell"
-    shell.write_text(f'#!/bin/sh\nif [ "$1" = 10.77.0.2 ]; then export PYTHONPATH={tmp_path / "skew"}; fi\n'
-                     f'exec {hosts.shell} "$@"\n')  # fmt: skip
+    shell.write_text(
+        f'#!/bin/sh\nif [ "$1" = 10.77.0.2 ]; then export PYTHONPATH={tmp_path / "skew"}; fi\n'
+        f'exec {hosts.shell} "$@"\n'
+    )
     shell.chmod(0o755)
     for command in (["--check", "python", TRAIN, "out"], ["python", "-c", "print('a rank ran')"]):
         run = hosts.run(backend, command, remote_shell=f"{shell} {{host}}")
         assert run.returncode == 1, run.stdout + run.stderr
         assert "du-launch: the hosts' environments differ" in run.stderr, run.stderr
-        assert f"host 10.77.0.2 differs from host 10.77.0.1: mlx 0.0.1 (not {mx.__version__})" in run.stderr, run.stderr
+        assert (
+            f"host 10.77.0.2 differs from host 10.77.0.1: mlx 0.0.1 (not {mx.__version__})" in run.stderr
+        ), run.stderr
         assert "a rank ran" not in run.stdout and "[rank" not in run.stdout
 
 
@@ -161,7 +188,9 @@ RESUME = str(ROOT / "tests" / "programs" / "resume.py")
 
 
 @pytest.mark.parametrize("backend,min_ranks", [("ring", None), ("ring", 2), ("mpi", 2)])
-def test_a_host_lost_at_a_restart_ends_the_job_unless_fewer_ranks_may_go_on(hosts, backend, min_ranks, tmp_path):
+def test_a_host_lost_at_a_restart_ends_the_job_unless_fewer_ranks_may_go_on(
+    hosts, backend, min_ranks, tmp_path
+):
     """Ranks 0-1 on host a, rank 2 on host b; rank 1 dies at step 13 (last checkpoint: step
     10), and host b answers the first probe only. Without --min-ranks the restart stops with
     the reason; with --min-ranks 2 the job goes on with 2 ranks, resuming mid-epoch."""
@@ -174,14 +203,26 @@ def test_a_host_lost_at_a_restart_ends_the_job_unless_fewer_ranks_may_go_on(host
         f"  if [ -e {tmp_path}/probed ]; then echo 'ssh: connect to host 10.77.0.2 port 22: No route to host' >&2; exit 255; fi\n"
         f"  touch {tmp_path}/probed\n"
         f'fi\nexec {hosts.shell} "$@"\n'
-    )  # fmt: skip
+    )
     shell.chmod(0o755)
     allow = [] if min_ranks is None else ["--min-ranks", str(min_ranks)]
-    command = ["--max-restarts", "1", *allow, "python", RESUME, str(tmp_path / "out"), str(tmp_path / "ck"), "--die-at", "13"]
+    command = [
+        "--max-restarts",
+        "1",
+        *allow,
+        "python",
+        RESUME,
+        str(tmp_path / "out"),
+        str(tmp_path / "ck"),
+        "--die-at",
+        "13",
+    ]
     run = hosts.run(backend, command, hostfile=hostfile, remote_shell=f"{shell} {{host}}")
     assert "attempt 1 failed: rank 1 on 10.77.0.1 was killed by SIGKILL" in run.stderr, run.stderr
-    lost = (f"du-launch: host 10.77.0.2 (ranks [2]) is unreachable: `{shell} 10.77.0.2 python -m "
-            "distributed_utils.preflight` failed: ssh: connect to host")  # fmt: skip
+    lost = (
+        f"du-launch: host 10.77.0.2 (ranks [2]) is unreachable: `{shell} 10.77.0.2 python -m "
+        "distributed_utils.preflight` failed: ssh: connect to host"
+    )
     assert lost in run.stderr, run.stderr
     if min_ranks is None:
         assert run.returncode == 1, run.stdout + run.stderr
@@ -207,19 +248,33 @@ def test_soak_a_job_survives_a_fault_of_every_kind_and_ends_bit_identical(hosts,
     seed = int(os.environ.get("SOAK_SEED", random.randrange(10**6)))
     rng = random.Random(seed)
     steps = np.cumsum([rng.randint(3, 7) for _ in FAULTS]).tolist()  # of 48 (8 per epoch)
-    plan = [(attempt, step, rng.randrange(3), kind)
-            for attempt, (step, kind) in enumerate(zip(steps, rng.sample(FAULTS, len(FAULTS))))]  # fmt: skip
+    plan = [
+        (attempt, step, rng.randrange(3), kind)
+        for attempt, (step, kind) in enumerate(zip(steps, rng.sample(FAULTS, len(FAULTS))))
+    ]
     hostfile = tmp_path / "hosts"
     hostfile.write_text("10.77.0.1 slots=2\n10.77.0.2 slots=1\n")
     link = f"ip -n {hosts.names[0]} link set {hosts.names[0]}"
     shell = tmp_path / "repairing-shell"  # the netns shell; probing host b repairs the link first
-    shell.write_text(f'#!/bin/sh\nif expr "$2" : ".*distributed_utils.preflight" >/dev/null; then {link} up; fi\n'
-                     f'exec {hosts.shell} "$@"\n')  # fmt: skip
+    shell.write_text(
+        f'#!/bin/sh\nif expr "$2" : ".*distributed_utils.preflight" >/dev/null; then {link} up; fi\n'
+        f'exec {hosts.shell} "$@"\n'
+    )
     shell.chmod(0o755)
 
     def train(name, launcher_options=(), options=()):
-        command = [*launcher_options, "--timeout", str(TIMEOUT), "python", RESUME, str(tmp_path / name),
-                   str(tmp_path / f"ck-{name}"), "--epochs", "6", *options]  # fmt: skip
+        command = [
+            *launcher_options,
+            "--timeout",
+            str(TIMEOUT),
+            "python",
+            RESUME,
+            str(tmp_path / name),
+            str(tmp_path / f"ck-{name}"),
+            "--epochs",
+            "6",
+            *options,
+        ]
         return hosts.run(backend, command, timeout=300, hostfile=hostfile, remote_shell=f"{shell} {{host}}")
 
     whole = train("whole")
@@ -227,14 +282,18 @@ def test_soak_a_job_survives_a_fault_of_every_kind_and_ends_bit_identical(hosts,
     faults = [f"--fault={a}:{s}:{r}:{k}" for a, s, r, k in plan]
     run = train("soaked", ["--max-restarts", str(len(plan))], ["--cut", f"{link} down", *faults])
     survived = run.stderr.count("du-launch: restarting the job")
-    summary = (f"soak on {backend} (SOAK_SEED={seed}): {len(plan)} faults injected "
-               f"({', '.join(f'{k} on rank {r} at step {s}' for _, s, r, k in plan)}); {survived} survived")  # fmt: skip
+    summary = (
+        f"soak on {backend} (SOAK_SEED={seed}): {len(plan)} faults injected "
+        f"({', '.join(f'{k} on rank {r} at step {s}' for _, s, r, k in plan)}); {survived} survived"
+    )
     with capsys.disabled():
         print(f"\n{summary}")
     assert run.returncode == 0, f"{summary}\n{run.stdout}{run.stderr}"
     assert survived == len(plan), f"{summary}\n{run.stderr}"
     injected = (tmp_path / "soaked.faults").read_text()
-    assert injected == "".join(f"[rank {r}] fault: {k} at step {s}\n" for _, s, r, k in plan), f"{summary}\n{injected}"
+    assert injected == "".join(f"[rank {r}] fault: {k} at step {s}\n" for _, s, r, k in plan), (
+        f"{summary}\n{injected}"
+    )
     want, got = final_params(tmp_path / "whole"), final_params(tmp_path / "soaked")
     assert want.keys() == got.keys()
     for key in want:

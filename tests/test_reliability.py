@@ -73,7 +73,7 @@ def test_a_collective_a_rank_never_joins_ends_the_job_within_the_timeout(backend
             rf"\[rank {rank}\] du watchdog: rank {rank}: collective #\d+ allreduce\(float32\(1024,\), sum\) "
             r"waiting since \d\d:\d\d:\d\d \(([\d.]+) s, timeout 3 s",
             run.stdout,
-        )  # fmt: skip
+        )
         assert report and TIMEOUT <= float(report.group(1)), run.stdout  # never before the timeout
     assert "the watchdog ended the job: ranks [0, 2] waited past the timeout" in run.stdout, run.stdout
     assert "ranks [1] did not report waiting" in run.stdout, run.stdout
@@ -89,12 +89,12 @@ def test_debug_mode_reports_mismatched_collectives_on_every_rank(backend):
             r"same collective; ranks \[1\] differ from rank 0 \(rank 0: '#(\d+) allreduce\(float32\(3,\), sum\)', "
             r"rank 1: '#\1 allreduce\(float32\(4,\), sum\)', rank 2: '#\1 allreduce\(float32\(3,\), sum\)'\)",
             run.stdout,
-        ), run.stdout  # fmt: skip
+        ), run.stdout
         assert re.search(
             rf"\[rank {r}\] rank {r} op: .*ranks \[1\] differ from rank 0 \(rank 0: '#(\d+) allreduce\(float32\(3,\), "
             r"sum\)', rank 1: '#\1 bcast\(float32\(3,\), root=0\)', rank 2: '#\1 allreduce\(float32\(3,\), sum\)'\)",
             run.stdout,
-        ), run.stdout  # fmt: skip
+        ), run.stdout
 
 
 @pytest.mark.parametrize("backend", ["ring", "mpi", "mlx-mpi"])
@@ -117,8 +117,11 @@ du.bcast(b, mx.arange(5) if du.local_rank(b) == 0 else None)  # rank 1: an objec
 def test_a_transport_error_names_the_rank_and_the_collective():
     run = launch(2, "mpi", ["python", "-c", ARRAY_ON_ROOT_ONLY], timeout=60)
     assert run.returncode == 1, run.stdout
-    assert re.search(r"\[rank 1\] RuntimeError: rank 1: collective #\d+ bcast_object\(root=0\) failed in the "
-                     r"transport: MPI_ERR_TRUNCATE", run.stdout), run.stdout  # fmt: skip
+    assert re.search(
+        r"\[rank 1\] RuntimeError: rank 1: collective #\d+ bcast_object\(root=0\) failed in the "
+        r"transport: MPI_ERR_TRUNCATE",
+        run.stdout,
+    ), run.stdout
     assert "du-launch: rank 1 exited with code 1" in run.stdout, run.stdout
 
 
@@ -132,8 +135,13 @@ def test_mpirun_jobs_name_the_failed_rank(backend):
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 def test_a_job_killed_while_writing_a_checkpoint_resumes_bit_identical(backend, tmp_path):
     def train(name, checkpoint, **env):
-        return launch(2, backend, ["python", TRAIN, str(tmp_path / name), "--checkpoint", str(tmp_path / checkpoint)],
-                      timeout=120, env={"DU_TIMEOUT": "30", **env})  # fmt: skip
+        return launch(
+            2,
+            backend,
+            ["python", TRAIN, str(tmp_path / name), "--checkpoint", str(tmp_path / checkpoint)],
+            timeout=120,
+            env={"DU_TIMEOUT": "30", **env},
+        )
 
     whole = train("whole", "ckpt-whole")
     assert whole.returncode == 0, whole.stdout
@@ -155,8 +163,14 @@ def test_a_job_killed_while_writing_a_checkpoint_resumes_bit_identical(backend, 
 
 
 def du_launch(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "distributed_utils.launch", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "distributed_utils.launch", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture
@@ -171,7 +185,10 @@ def held_port():
 def test_a_port_already_in_use_is_a_clear_error(held_port):
     run = du_launch("-n", "2", "--backend", "ring", "--port", str(held_port), "python", "-c", "pass")
     assert run.returncode != 0
-    assert f"du-launch: port {held_port} on 127.0.0.1 (rank 0) is already in use; choose another --port" in run.stderr
+    assert (
+        f"du-launch: port {held_port} on 127.0.0.1 (rank 0) is already in use; choose another --port"
+        in run.stderr
+    )
 
 
 def test_a_ring_rank_whose_port_is_taken_says_so(held_port, tmp_path):
@@ -180,9 +197,11 @@ def test_a_ring_rank_whose_port_is_taken_says_so(held_port, tmp_path):
     hostfile.write_text(f'[["127.0.0.1:{held_port}"], ["127.0.0.1:{held_port + 1}"]]')
     run = subprocess.run(
         [sys.executable, "-c", "import distributed_utils as du; du.initialize(du.RingBackend)"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile), "DU_TIMEOUT": str(TIMEOUT)},
-    )  # fmt: skip
+    )
     assert run.returncode == 1
     want = f"RingBackend: rank 0 cannot listen on 127.0.0.1:{held_port} (from MLX_HOSTFILE): Address already in use"
     assert want in run.stderr, run.stderr
@@ -193,7 +212,10 @@ def test_a_ring_rank_whose_port_is_taken_says_so(held_port, tmp_path):
     [
         (["--timeout", "-1", "python", "-c", "pass"], "--timeout must be >= 0"),
         (["--port", "70000", "python", "-c", "pass"], "--port must be a port number"),
-        (["--backend", "mpi", "--remote-shell", "ssh {host} -x", "python"], "--remote-shell must end with {host}"),
+        (
+            ["--backend", "mpi", "--remote-shell", "ssh {host} -x", "python"],
+            "--remote-shell must end with {host}",
+        ),
     ],
 )
 def test_bad_reliability_options_are_clear_errors(args, words):
@@ -202,10 +224,17 @@ def test_bad_reliability_options_are_clear_errors(args, words):
 
 
 def test_a_bad_timeout_in_the_environment_is_a_clear_error():
-    run = launch(2, "ring", ["python", "-c", "import distributed_utils as du; du.initialize()"], timeout=60,
-                 env={"DU_TIMEOUT": "soon"})  # fmt: skip
+    run = launch(
+        2,
+        "ring",
+        ["python", "-c", "import distributed_utils as du; du.initialize()"],
+        timeout=60,
+        env={"DU_TIMEOUT": "soon"},
+    )
     assert run.returncode == 1  # each rank raises before connecting; the first to fail ends the job
-    assert re.search(r"\[rank \d\] ValueError: DU_TIMEOUT='soon' is not a number of seconds", run.stdout), run.stdout
+    assert re.search(r"\[rank \d\] ValueError: DU_TIMEOUT='soon' is not a number of seconds", run.stdout), (
+        run.stdout
+    )
 
 
 # --- holes found by an adversarial test (../shared/repro/), each closed ------------------------
@@ -274,12 +303,26 @@ def _alive(pid):
     return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
 
 
-@pytest.mark.parametrize("backend, sig", [("ring", "SIGKILL"), ("mpi", "SIGKILL"), ("ring", "SIGHUP"), ("mlx-mpi", "SIGHUP")])
+@pytest.mark.parametrize(
+    "backend, sig", [("ring", "SIGKILL"), ("mpi", "SIGKILL"), ("ring", "SIGHUP"), ("mlx-mpi", "SIGHUP")]
+)
 def test_ranks_end_when_the_launcher_is_killed(backend, sig, tmp_path):  # d2
-    argv = [sys.executable, "-m", "distributed_utils.launch", "-n", "2", "--backend", backend,
-            "python", "-c", FOREVER, str(tmp_path)]  # fmt: skip
-    launcher = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "distributed_utils.launch",
+        "-n",
+        "2",
+        "--backend",
+        backend,
+        "python",
+        "-c",
+        FOREVER,
+        str(tmp_path),
+    ]
+    launcher = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)  # polling for the ranks' pid files, with a deadline
@@ -311,9 +354,14 @@ def test_a_rank_that_leaves_early_with_code_0_is_named(backend):  # d6
     run = launch(3, backend, ["--timeout", str(TIMEOUT), "python", "-c", LEAVES_EARLY], timeout=60)
     assert run.returncode != 0, run.stdout
     if backend == "ring":
-        assert "du-launch: rank 1 exited with code 0 while the others still ran: it left the job early" in run.stdout
+        assert (
+            "du-launch: rank 1 exited with code 0 while the others still ran: it left the job early"
+            in run.stdout
+        )
     else:
-        assert "ranks [1] had already finished their program: they left the job early" in run.stdout, run.stdout
+        assert "ranks [1] had already finished their program: they left the job early" in run.stdout, (
+            run.stdout
+        )
 
 
 SLOW_SAVE = """
@@ -333,8 +381,12 @@ print("saved", du.load_checkpoint(b, sys.argv[1], model=m)["step"], flush=True)
 
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 def test_a_checkpoint_that_takes_longer_than_the_timeout_is_not_a_stall(backend, tmp_path):  # d4
-    run = launch(2, backend, ["--timeout", "2", "python", "-c", "import sys\n" + SLOW_SAVE, str(tmp_path / "ck")],
-                 timeout=120)  # fmt: skip
+    run = launch(
+        2,
+        backend,
+        ["--timeout", "2", "python", "-c", "import sys\n" + SLOW_SAVE, str(tmp_path / "ck")],
+        timeout=120,
+    )
     assert run.returncode == 0, run.stdout
     assert "[rank 0] saved 1" in run.stdout and "[rank 1] saved 1" in run.stdout, run.stdout
 
@@ -352,29 +404,53 @@ def test_one_rank_never_joins():
 
 def test_watchdog_reports_reach_the_launcher_under_pytest_capture(tmp_path):  # #8
     (tmp_path / "test_never_joins.py").write_text(NEVER_JOINS_TEST)
-    run = launch(2, "ring", ["--timeout", str(TIMEOUT), "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             str(tmp_path / "test_never_joins.py")], timeout=120)  # fmt: skip
+    run = launch(
+        2,
+        "ring",
+        [
+            "--timeout",
+            str(TIMEOUT),
+            "python",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_never_joins.py"),
+        ],
+        timeout=120,
+    )
     assert run.returncode == 124, run.stdout
-    assert re.search(r"\[rank 0\] du watchdog: rank 0: collective #\d+ allreduce\(float32\(7,\), sum\)", run.stdout), run.stdout
+    assert re.search(
+        r"\[rank 0\] du watchdog: rank 0: collective #\d+ allreduce\(float32\(7,\), sum\)", run.stdout
+    ), run.stdout
 
 
 def test_a_ring_backend_under_plain_mpirun_is_a_clear_error():  # #10
     from distributed_utils.launch import find_mpirun
 
     code = "import distributed_utils as du; du.initialize(du.RingBackend)"
-    argv = [find_mpirun(), "-n", "2", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    argv = [find_mpirun(), "-n", "2", "--oversubscribe"] + (
+        ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    )
     run = subprocess.run(argv + [sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode != 0
-    assert "mpirun started 2 processes but this backend sees a world of 1" in run.stdout + run.stderr, run.stdout + run.stderr
+    assert "mpirun started 2 processes but this backend sees a world of 1" in run.stdout + run.stderr, (
+        run.stdout + run.stderr
+    )
 
 
 def test_mlx_mpi_under_plain_mpirun_finds_the_mpi_library_itself():  # #10
     from distributed_utils.launch import find_mpirun
 
     code = "import distributed_utils as du; b = du.initialize(du.MLXMPIBackend); print('world', b.size)"
-    argv = [find_mpirun(), "-n", "2", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    argv = [find_mpirun(), "-n", "2", "--oversubscribe"] + (
+        ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    )
     env = {k: v for k, v in os.environ.items() if k != "MLX_MPI_LIBNAME"}
-    run = subprocess.run(argv + [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    run = subprocess.run(
+        argv + [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
     assert run.returncode == 0 and run.stdout.count("world 2") == 2, run.stdout + run.stderr
 
 
@@ -394,18 +470,25 @@ du.barrier(b)
 
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 def test_max_restarts_restarts_the_whole_job_and_names_the_cause(backend):
-    run = launch(2, backend, ["--max-restarts", "2", "python", "-c", FAILS_ON_FIRST_ATTEMPTS, "2"], timeout=180)
+    run = launch(
+        2, backend, ["--max-restarts", "2", "python", "-c", FAILS_ON_FIRST_ATTEMPTS, "2"], timeout=180
+    )
     assert run.returncode == 0, run.stdout
     for attempt in (1, 2):
-        assert re.search(rf"du-launch: attempt {attempt} failed: rank 1 on 127\.0\.0\.1 exited with code 3; "
-                         r"its last lines:\n(    .*\n)*    rank 1 gives up\n", run.stdout), run.stdout  # fmt: skip
+        assert re.search(
+            rf"du-launch: attempt {attempt} failed: rank 1 on 127\.0\.0\.1 exited with code 3; "
+            r"its last lines:\n(    .*\n)*    rank 1 gives up\n",
+            run.stdout,
+        ), run.stdout
         assert f"restarting the job: attempt {attempt + 1} of 3 (DU_RESTART={attempt})" in run.stdout
     jobs = set(re.findall(r"\[rank 0\] attempt \d job (\w+)", run.stdout))
     assert len(jobs) == 3, run.stdout  # a fresh job id (and ports) for every attempt
 
 
 def test_max_restarts_gives_up_with_the_last_failure():
-    run = launch(2, "ring", ["--max-restarts", "1", "python", "-c", FAILS_ON_FIRST_ATTEMPTS, "5"], timeout=120)
+    run = launch(
+        2, "ring", ["--max-restarts", "1", "python", "-c", FAILS_ON_FIRST_ATTEMPTS, "5"], timeout=120
+    )
     assert run.returncode == 3, run.stdout
     assert "attempt 2 failed: rank 1 on 127.0.0.1 exited with code 3" in run.stdout, run.stdout
     assert "restarting the job: attempt 3" not in run.stdout, run.stdout
@@ -418,12 +501,30 @@ RESUME = str(ROOT / "tests" / "programs" / "resume.py")
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 def test_a_crashed_job_restarts_resumes_and_ends_bit_identical(backend, optimizer, tmp_path):
     """DiLoCo (syncing every 3 steps) is saved between syncs, at steps 5 and 10."""
-    whole = launch(2, backend, ["python", RESUME, str(tmp_path / "whole"), str(tmp_path / "ck-whole"), *optimizer],
-                   timeout=120)  # fmt: skip
+    whole = launch(
+        2,
+        backend,
+        ["python", RESUME, str(tmp_path / "whole"), str(tmp_path / "ck-whole"), *optimizer],
+        timeout=120,
+    )
     assert whole.returncode == 0, whole.stdout
     steps = int(re.search(r"done at step (\d+)", whole.stdout).group(1))
-    run = launch(2, backend, ["--max-restarts", "1", "python", RESUME, str(tmp_path / "restarted"),
-                              str(tmp_path / "ck"), "--die-at", "13", *optimizer], timeout=180)  # fmt: skip
+    run = launch(
+        2,
+        backend,
+        [
+            "--max-restarts",
+            "1",
+            "python",
+            RESUME,
+            str(tmp_path / "restarted"),
+            str(tmp_path / "ck"),
+            "--die-at",
+            "13",
+            *optimizer,
+        ],
+        timeout=180,
+    )
     assert run.returncode == 0, run.stdout
     assert "attempt 1 failed: rank 1 on 127.0.0.1 was killed by SIGKILL" in run.stdout, run.stdout
     for r in range(2):
@@ -442,7 +543,9 @@ def test_diloco_saved_by_3_ranks_at_a_sync_resumes_on_2(tmp_path):
     second = launch(2, "ring", ["python", *common, "--epochs", "5"], timeout=120)
     assert second.returncode == 0, second.stdout
     assert "[rank 1] resumed at step 10, epoch 1, saved by 3 ranks" in second.stdout, second.stdout
-    assert "[rank 0] done at step 55;" in second.stdout, second.stdout  # 9 steps for epoch 1's rest, 12 an epoch: a sync
+    assert "[rank 0] done at step 55;" in second.stdout, (
+        second.stdout
+    )  # 9 steps for epoch 1's rest, 12 an epoch: a sync
     digests = re.findall(r"\[rank \d\] parameters (\w+)", second.stdout)
     assert len(digests) == 2 and digests[0] == digests[1], second.stdout
 
@@ -467,14 +570,22 @@ def test_a_job_resumes_mid_epoch_at_another_world_size(tmp_path):
         assert "[rank 0] done at step 31;" in second.stdout, second.stdout
 
         def visited(world, epoch, steps):
-            lines = [line.split() for f in (items / world).glob("rank-*.txt") for line in f.read_text().splitlines()]
-            return [int(i) for step, e, *rest in lines if int(e) == epoch and int(step) in steps for i in rest]
+            lines = [
+                line.split()
+                for f in (items / world).glob("rank-*.txt")
+                for line in f.read_text().splitlines()
+            ]
+            return [
+                int(i) for step, e, *rest in lines if int(e) == epoch and int(step) in steps for i in rest
+            ]
 
         before = visited("3", 1, range(9, 11))  # checkpointed at step 10; steps 11-13 were lost with the job
         after = visited("2", 1, range(11, 20))
         assert len(before) == 3 * 2 * 4 and not set(before) & set(after)
         assert set(before) | set(after) == set(range(90)) and len(after) == 66
-    assert_same_safetensors(tmp_path / "replicated" / "out.safetensors", tmp_path / "sharded" / "out.safetensors")
+    assert_same_safetensors(
+        tmp_path / "replicated" / "out.safetensors", tmp_path / "sharded" / "out.safetensors"
+    )
 
 
 def assert_same_safetensors(a, b):
@@ -489,9 +600,21 @@ def preempted_run(backend, tmp_path, signal_the_launcher):
     step 7, or rank 1 sends SIGTERM to itself at step 9. Returns (exit code, output)."""
     program = ["python", RESUME, str(tmp_path / "preempted"), str(tmp_path / "ck"), "--preempt"]
     program += ["--hold-at", "7"] if signal_the_launcher else ["--fault", "0:9:1:sigterm"]
-    argv = [sys.executable, "-m", "distributed_utils.launch", "-n", "2", "--backend", backend, "--grace", "60", *program]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "distributed_utils.launch",
+        "-n",
+        "2",
+        "--backend",
+        backend,
+        "--grace",
+        "60",
+        *program,
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     killer = threading.Timer(120, os.killpg, (proc.pid, signal.SIGKILL))  # a bound, not a synchronization
     killer.start()
     lines = []
@@ -505,19 +628,32 @@ def preempted_run(backend, tmp_path, signal_the_launcher):
 
 @pytest.mark.parametrize("signal_the_launcher", [True, False], ids=["launcher", "one-rank"])
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
-def test_a_preempted_job_saves_once_at_one_step_and_resumes_bit_identical(backend, tmp_path, signal_the_launcher):
-    whole = launch(2, backend, ["python", RESUME, str(tmp_path / "whole"), str(tmp_path / "ck-whole")], timeout=120)
+def test_a_preempted_job_saves_once_at_one_step_and_resumes_bit_identical(
+    backend, tmp_path, signal_the_launcher
+):
+    whole = launch(
+        2, backend, ["python", RESUME, str(tmp_path / "whole"), str(tmp_path / "ck-whole")], timeout=120
+    )
     assert whole.returncode == 0, whole.stdout
     code, out = preempted_run(backend, tmp_path, signal_the_launcher)
     step = 7 if signal_the_launcher else 9
     assert code == (75 if signal_the_launcher else 0), out
-    assert sorted(re.findall(r"\[rank (\d)\] preempted at step (\d+): saved", out)) == [("0", str(step)), ("1", str(step))], out
+    assert sorted(re.findall(r"\[rank (\d)\] preempted at step (\d+): saved", out)) == [
+        ("0", str(step)),
+        ("1", str(step)),
+    ], out
     if signal_the_launcher:
         assert "du-launch: received SIGTERM: forwarded to the ranks as SIGUSR1" in out, out
         assert "du-launch: the job was preempted (SIGTERM) and ended within the grace period" in out, out
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"step-{s:012d}.safetensors" for s in (5, step)]
-    resumed = launch(2, backend, ["python", RESUME, str(tmp_path / "resumed"), str(tmp_path / "ck")], timeout=120)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        f"step-{s:012d}.safetensors" for s in (5, step)
+    ]
+    resumed = launch(
+        2, backend, ["python", RESUME, str(tmp_path / "resumed"), str(tmp_path / "ck")], timeout=120
+    )
     assert resumed.returncode == 0, resumed.stdout
     for r in range(2):
-        assert f"[rank {r}] resumed at step {step}, epoch 0, saved by 2 ranks" in resumed.stdout, resumed.stdout
+        assert f"[rank {r}] resumed at step {step}, epoch 0, saved by 2 ranks" in resumed.stdout, (
+            resumed.stdout
+        )
     assert_same_safetensors(tmp_path / "whole.safetensors", tmp_path / "resumed.safetensors")

@@ -6,4 +6,6 @@ from .mlx import JACCLBackend, MLXBackend, MLXMPIBackend, NCCLBackend, RingBacke
 from .mpi import MPIBackend
 
 #: The backends by the name ``du-launch --backend`` takes.
-BY_LAUNCH_NAME = {cls.launch_name: cls for cls in (MPIBackend, RingBackend, MLXMPIBackend, NCCLBackend, JACCLBackend)}
+BY_LAUNCH_NAME = {
+    cls.launch_name: cls for cls in (MPIBackend, RingBackend, MLXMPIBackend, NCCLBackend, JACCLBackend)
+}

@@ -71,7 +71,9 @@ def launched_for(mlx_name: str) -> bool:
     """Whether a launcher started this process as a rank on MLX's ``mlx_name`` backend."""
     if mlx_name == "mpi":
         return launched_by_mpirun()
-    return {"ring": "MLX_HOSTFILE", "nccl": "MLX_WORLD_SIZE", "jaccl": "MLX_IBV_DEVICES"}[mlx_name] in os.environ
+    return {"ring": "MLX_HOSTFILE", "nccl": "MLX_WORLD_SIZE", "jaccl": "MLX_IBV_DEVICES"}[
+        mlx_name
+    ] in os.environ
 
 
 def check_ring_addresses():
@@ -81,15 +83,17 @@ def check_ring_addresses():
         hosts = json.load(f)
     rank = os.environ.get("MLX_RANK", "")
     if not (rank.isdigit() and int(rank) < len(hosts)):
-        raise BackendUnavailableError(f"RingBackend: MLX_RANK={rank!r} is not a rank of the {len(hosts)} hosts in "
-                                      f"MLX_HOSTFILE={path}")  # fmt: skip
+        raise BackendUnavailableError(
+            f"RingBackend: MLX_RANK={rank!r} is not a rank of the {len(hosts)} hosts in MLX_HOSTFILE={path}"
+        )
     for address in hosts[int(rank)]:
         ip, _, port = address.rpartition(":")
         error = listen_error(ip, int(port))
         if error:
             held = ": another program or job holds the port" if "in use" in error else ""
-            raise BackendUnavailableError(f"RingBackend: rank {rank} cannot listen on {address} (from MLX_HOSTFILE): "
-                                          f"{error}{held}")  # fmt: skip
+            raise BackendUnavailableError(
+                f"RingBackend: rank {rank} cannot listen on {address} (from MLX_HOSTFILE): {error}{held}"
+            )
 
 
 # --- MPI -------------------------------------------------------------------------------
@@ -132,12 +136,18 @@ def start_mlx_mpi():
         return
     if not mlx_mpi_available():
         named = os.environ.get("MLX_MPI_LIBNAME")
-        why = f"MLX_MPI_LIBNAME={named} did not load" if named else "none found; set MLX_MPI_LIBNAME to its libmpi"
+        why = (
+            f"MLX_MPI_LIBNAME={named} did not load"
+            if named
+            else "none found; set MLX_MPI_LIBNAME to its libmpi"
+        )
         raise BackendUnavailableError(f"MLX's MPI backend cannot load an MPI library: {why}")
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized():
-        raise BackendUnavailableError("MLX's MPI backend cannot start after mpi4py initialized MPI in this process; "
-                                      "initialize MLXMPIBackend or MPIBackend (which starts MLX's side first) before "
-                                      "importing mpi4py.MPI yourself")  # fmt: skip
+        raise BackendUnavailableError(
+            "MLX's MPI backend cannot start after mpi4py initialized MPI in this process; "
+            "initialize MLXMPIBackend or MPIBackend (which starts MLX's side first) before "
+            "importing mpi4py.MPI yourself"
+        )
     mx.distributed.init(strict=True, backend="mpi")
     _mlx_mpi_started = True

@@ -26,9 +26,15 @@ class MLXBackend(AbstractBackend):
         cls = type(self).__name__
         if not self.mlx_name:
             raise TypeError(f"{cls} is abstract: use RingBackend, MLXMPIBackend, NCCLBackend or JACCLBackend")
-        if not (environment.mlx_mpi_available() if self.mlx_name == "mpi" else mx.distributed.is_available(self.mlx_name)):
-            raise BackendUnavailableError(f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' "
-                                          f"backend; {self.requires}")  # fmt: skip
+        if not (
+            environment.mlx_mpi_available()
+            if self.mlx_name == "mpi"
+            else mx.distributed.is_available(self.mlx_name)
+        ):
+            raise BackendUnavailableError(
+                f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' "
+                f"backend; {self.requires}"
+            )
         if environment.launched_for(self.mlx_name):
             self.prepare()
             self.group = mx.distributed.init(strict=True, backend=self.mlx_name)
@@ -58,8 +64,12 @@ class MLXBackend(AbstractBackend):
         # (measured over a 100 Mbit/s link: 40% of the transfer hidden behind the compute).
         if self.side is None:
             self.side = mx.new_stream(self.stream or mx.default_device())
-        out = [a if a.size == 0 else mx.distributed.all_sum(a * scale if scale != 1.0 else a, group=self.group,
-                                                            stream=self.side) for a in arrays]  # fmt: skip
+        out = [
+            a
+            if a.size == 0
+            else mx.distributed.all_sum(a * scale if scale != 1.0 else a, group=self.group, stream=self.side)
+            for a in arrays
+        ]
         mx.async_eval(out)
         return out
 

@@ -48,12 +48,16 @@ class MPIBackend(AbstractBackend):
             try:
                 self._traced = MLXMPIBackend()
             except BackendUnavailableError as e:
-                raise ValueError("MPIBackend reduces evaluated host buffers, so inside mx.compile it needs MLX's own "
-                                 f"MPI backend, which cannot start here ({e}): compile the gradient computation and "
-                                 "reduce outside it, or use an MLX backend") from e  # fmt: skip
+                raise ValueError(
+                    "MPIBackend reduces evaluated host buffers, so inside mx.compile it needs MLX's own "
+                    f"MPI backend, which cannot start here ({e}): compile the gradient computation and "
+                    "reduce outside it, or use an MLX backend"
+                ) from e
             if (self._traced.rank, self._traced.size) != (self.rank, self.size):
-                raise ValueError(f"MPIBackend: MLX's MPI backend sees rank {self._traced.rank} of {self._traced.size}, "
-                                 f"not {self.rank} of {self.size}; it cannot run this job's collectives in mx.compile")
+                raise ValueError(
+                    f"MPIBackend: MLX's MPI backend sees rank {self._traced.rank} of {self._traced.size}, "
+                    f"not {self.rank} of {self.size}; it cannot run this job's collectives in mx.compile"
+                )
         return self._traced
 
     def allreduce(self, arrays, op, scale=1.0, in_place=False):
@@ -97,14 +101,18 @@ class MPIBackend(AbstractBackend):
         if self.rank == root:
             self.comm.Bcast(_bytes(buf), root=root)
             return x
-        return _as_dtype(_received(buf.shape, buf.dtype, lambda out: self.comm.Bcast(out, root=root)), x.dtype)
+        return _as_dtype(
+            _received(buf.shape, buf.dtype, lambda out: self.comm.Bcast(out, root=root)), x.dtype
+        )
 
     def allgather(self, x):
         if traced := self._while_tracing([x]):
             return traced.allgather(x)
         buf = contiguous_numpy(x)
         shape = (self.size * buf.shape[0],) + buf.shape[1:]
-        return _as_dtype(_received(shape, buf.dtype, lambda out: self.comm.Allgather(_bytes(buf), out)), x.dtype)
+        return _as_dtype(
+            _received(shape, buf.dtype, lambda out: self.comm.Allgather(_bytes(buf), out)), x.dtype
+        )
 
     def barrier(self):
         self.comm.Barrier()

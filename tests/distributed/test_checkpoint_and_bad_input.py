@@ -71,49 +71,136 @@ def save_non_array_leaf(backend, tmp):
 BAD_INPUT = [
     ("a backend name", lambda b, t: du.initialize("ring"), False, TypeError, "expected a backend class"),
     ("a backend object", lambda b, t: du.initialize(b), False, TypeError, "got the backend instance"),
-    ("a backend class to a collective", lambda b, t: du.allreduce(type(b), 1, "sum"), False, TypeError,
-     f"du.get_distributed_backend(du."),
-    ("use before initialize", lambda b, t: du.get_distributed_backend(other_backend_type(b)), False, RuntimeError,
-     "is not initialized: call du.initialize("),
-    ("a negative timeout", lambda b, t: du.initialize(type(b), timeout=-1), False, ValueError,
-     "timeout=-1 is not a number of seconds >= 0 (0: never)"),
-    ("mismatched trees", lambda b, t: du.synchronize(b, {"w": mx.zeros((2 + b.rank,))}), True, TreeMismatchError,
-     "first difference at key 'w'"),
-    ("mismatched gradient trees",
-     lambda b, t: du.DistributedOptimizer(b, optim.SGD(0.1)).reduce_gradients({f"w{b.rank}": mx.zeros(2)}), True,
-     TreeMismatchError, "ranks hold different trees"),
-    ("mismatched shapes (DU_DEBUG)", lambda b, t: debug_allreduce(b), True, du.CollectiveMismatchError,
-     "ranks issued different collectives"),
-    ("a non-array to reduce", lambda b, t: du.allreduce(b, [1, 2], "sum"), False, TypeError, "cannot reduce a list"),
-    ("an optimizer wrapped twice (its sums would be summed again)",
-     lambda b, t: du.DistributedOptimizer(b, du.DistributedOptimizer(b, optim.SGD(0.1), op="sum")), False, TypeError,
-     "the optimizer is already distributed (DistributedOptimizer)"),
-    ("DiLoCo wrapped", lambda b, t: du.DistributedOptimizer(b, du.DiLoCo(b, optim.SGD(0.1))), False, TypeError,
-     "the optimizer is already distributed (DiLoCo)"),
-    ("a non-array leaf in a checkpoint", save_non_array_leaf, False, TypeError,
-     "optimizer leaf 'w.count' is a int, not an array"),
-    ("an unsupported dtype", lambda b, t: du.allreduce(b, np.array(["a"]), "sum"), False, TypeError,
-     "dtype <U1 is not supported"),
-    ("float64 complex", lambda b, t: du.bcast(b, np.zeros(2, np.complex128)), False, TypeError,
-     "complex128 is not supported"),
+    (
+        "a backend class to a collective",
+        lambda b, t: du.allreduce(type(b), 1, "sum"),
+        False,
+        TypeError,
+        f"du.get_distributed_backend(du.",
+    ),
+    (
+        "use before initialize",
+        lambda b, t: du.get_distributed_backend(other_backend_type(b)),
+        False,
+        RuntimeError,
+        "is not initialized: call du.initialize(",
+    ),
+    (
+        "a negative timeout",
+        lambda b, t: du.initialize(type(b), timeout=-1),
+        False,
+        ValueError,
+        "timeout=-1 is not a number of seconds >= 0 (0: never)",
+    ),
+    (
+        "mismatched trees",
+        lambda b, t: du.synchronize(b, {"w": mx.zeros((2 + b.rank,))}),
+        True,
+        TreeMismatchError,
+        "first difference at key 'w'",
+    ),
+    (
+        "mismatched gradient trees",
+        lambda b, t: du.DistributedOptimizer(b, optim.SGD(0.1)).reduce_gradients({f"w{b.rank}": mx.zeros(2)}),
+        True,
+        TreeMismatchError,
+        "ranks hold different trees",
+    ),
+    (
+        "mismatched shapes (DU_DEBUG)",
+        lambda b, t: debug_allreduce(b),
+        True,
+        du.CollectiveMismatchError,
+        "ranks issued different collectives",
+    ),
+    (
+        "a non-array to reduce",
+        lambda b, t: du.allreduce(b, [1, 2], "sum"),
+        False,
+        TypeError,
+        "cannot reduce a list",
+    ),
+    (
+        "an optimizer wrapped twice (its sums would be summed again)",
+        lambda b, t: du.DistributedOptimizer(b, du.DistributedOptimizer(b, optim.SGD(0.1), op="sum")),
+        False,
+        TypeError,
+        "the optimizer is already distributed (DistributedOptimizer)",
+    ),
+    (
+        "DiLoCo wrapped",
+        lambda b, t: du.DistributedOptimizer(b, du.DiLoCo(b, optim.SGD(0.1))),
+        False,
+        TypeError,
+        "the optimizer is already distributed (DiLoCo)",
+    ),
+    (
+        "a non-array leaf in a checkpoint",
+        save_non_array_leaf,
+        False,
+        TypeError,
+        "optimizer leaf 'w.count' is a int, not an array",
+    ),
+    (
+        "an unsupported dtype",
+        lambda b, t: du.allreduce(b, np.array(["a"]), "sum"),
+        False,
+        TypeError,
+        "dtype <U1 is not supported",
+    ),
+    (
+        "float64 complex",
+        lambda b, t: du.bcast(b, np.zeros(2, np.complex128)),
+        False,
+        TypeError,
+        "complex128 is not supported",
+    ),
     ("empty data", lambda b, t: du.DistributedDataContainer(b, []), False, ValueError, "data is empty"),
-    ("a checkpoint of another model", checkpoint_then_load_other_model, False, du.CheckpointError,
-     "does not fit the model: at 'weight'"),
+    (
+        "a checkpoint of another model",
+        checkpoint_then_load_other_model,
+        False,
+        du.CheckpointError,
+        "does not fit the model: at 'weight'",
+    ),
     ("a truncated checkpoint", load_truncated, False, du.CheckpointError, "ck is incomplete or corrupt"),
-    ("a flipped bit in a checkpoint", load_a_flipped_byte, False, du.CheckpointError,
-     "ck is damaged: the bytes of 'model.weight' do not match their checksum"),
-    ("a checkpoint value that is not JSON", lambda b, t: du.save_checkpoint(b, t / "ck", extra={1j}), False,
-     TypeError, "must be JSON values"),
-    ("keep= without a step", lambda b, t: du.save_checkpoint(b, t / "ck", keep=2), False, ValueError,
-     "keep= needs an int >= 1 and an int step= >= 0, got keep=2, step=None"),
-    ("keep= with a negative step (its file would sort as the oldest)",
-     lambda b, t: du.save_checkpoint(b, t / "ck", step=-1, keep=2), False, ValueError, "got keep=2, step=-1"),
-]  # fmt: skip
+    (
+        "a flipped bit in a checkpoint",
+        load_a_flipped_byte,
+        False,
+        du.CheckpointError,
+        "ck is damaged: the bytes of 'model.weight' do not match their checksum",
+    ),
+    (
+        "a checkpoint value that is not JSON",
+        lambda b, t: du.save_checkpoint(b, t / "ck", extra={1j}),
+        False,
+        TypeError,
+        "must be JSON values",
+    ),
+    (
+        "keep= without a step",
+        lambda b, t: du.save_checkpoint(b, t / "ck", keep=2),
+        False,
+        ValueError,
+        "keep= needs an int >= 1 and an int step= >= 0, got keep=2, step=None",
+    ),
+    (
+        "keep= with a negative step (its file would sort as the oldest)",
+        lambda b, t: du.save_checkpoint(b, t / "ck", step=-1, keep=2),
+        False,
+        ValueError,
+        "got keep=2, step=-1",
+    ),
+]
 
 
 @pytest.mark.parametrize(
     "what, call, needs_ranks, error, words",
-    [pytest.param(*row, id=row[0], marks=[pytest.mark.world(min_size=2)] if row[2] else []) for row in BAD_INPUT],
+    [
+        pytest.param(*row, id=row[0], marks=[pytest.mark.world(min_size=2)] if row[2] else [])
+        for row in BAD_INPUT
+    ],
 )  # rows that need ranks to disagree run in worlds of 2 or more
 def test_bad_input_is_a_clear_error_on_every_rank(backend, tmp_path, what, call, needs_ranks, error, words):
     try:
@@ -133,7 +220,9 @@ class Everything(nn.Module):
 
     def __init__(self, rank):
         super().__init__()
-        self.p = {str(d).removeprefix("mlx.core."): (mx.arange(6).reshape(2, 3) + rank).astype(d) for d in DTYPES}
+        self.p = {
+            str(d).removeprefix("mlx.core."): (mx.arange(6).reshape(2, 3) + rank).astype(d) for d in DTYPES
+        }
         self.p["nan"] = mx.array([np.nan, -0.0, np.inf], mx.float32)
 
 
@@ -144,14 +233,21 @@ def test_a_checkpoint_restores_rank_0s_model_and_state_and_each_ranks_random_sta
     opt = optim.Adam(1e-3)
     opt.init({"w": mx.ones(3) * rank})
     mx.random.seed(100 + rank)
-    du.save_checkpoint(backend, path, model=model, optimizer=opt, step=7, data={"epoch": 1, "batch": 2}, extra=[rank])
+    du.save_checkpoint(
+        backend, path, model=model, optimizer=opt, step=7, data={"epoch": 1, "batch": 2}, extra=[rank]
+    )
     saved_params = tree_flatten(Everything(0).parameters())
     draws = mx.random.uniform(shape=(4,))
 
     restored, opt2 = Everything(rank + 10), optim.Adam(1e-3)
     mx.random.seed(0)
     state = du.load_checkpoint(backend, path, model=restored, optimizer=opt2)
-    assert state == {"step": 7, "data": {"epoch": 1, "batch": 2}, "extra": [0], "world_size": du.total_workers(backend)}
+    assert state == {
+        "step": 7,
+        "data": {"epoch": 1, "batch": 2},
+        "extra": [0],
+        "world_size": du.total_workers(backend),
+    }
     for (key, want), (_, got) in zip(saved_params, tree_flatten(restored.parameters())):
         assert got.dtype == want.dtype, key
         assert np.array_equal(np.array(got.view(mx.uint8)), np.array(want.view(mx.uint8))), key
@@ -183,6 +279,7 @@ def test_the_watchdog_numbers_and_describes_collectives(backend):
     du.barrier(backend)
     assert watchdog._state.seq == start + 2 and watchdog._state.done == start + 2
     assert not watchdog._state.inflight
+
     def report(what, details, arrays):
         return watchdog.Collective(0, what, details, arrays).text(limit=3)
 
@@ -190,10 +287,12 @@ def test_the_watchdog_numbers_and_describes_collectives(backend):
     assert report("bcast", ("root=1",), np.zeros(3, np.int64)) == "#0 bcast(int64(3,), root=1)"
     grads = [mx.ones(3)] * 5
     assert report("allreduce_arrays", ("sum",), grads) == (
-        "#0 allreduce_arrays(float32(3,), float32(3,), float32(3,), ... (5 arrays), sum)")
+        "#0 allreduce_arrays(float32(3,), float32(3,), float32(3,), ... (5 arrays), sum)"
+    )
     assert report("bcast_object", ("root=0",), None) == "#0 bcast_object(root=0)"
     assert watchdog.Collective(0, "allreduce_arrays", ("sum",), grads).text() == (
-        "#0 allreduce_arrays(" + ", ".join(["float32(3,)"] * 5) + ", sum)")
+        "#0 allreduce_arrays(" + ", ".join(["float32(3,)"] * 5) + ", sum)"
+    )
 
 
 def test_a_directory_of_checkpoints_falls_back_to_the_newest_intact_one(backend, tmp_path):
@@ -203,15 +302,20 @@ def test_a_directory_of_checkpoints_falls_back_to_the_newest_intact_one(backend,
         model.update({"bias": mx.full((4,), float(step))})
         du.save_checkpoint(backend, folder, model=model, step=step, keep=3)
     if du.local_rank(backend) == 0:
-        flip_a_byte(next(p for p in tmp_path.joinpath("cks").iterdir() if p.name.endswith("3.safetensors")), "model.bias")
+        flip_a_byte(
+            next(p for p in tmp_path.joinpath("cks").iterdir() if p.name.endswith("3.safetensors")),
+            "model.bias",
+        )
     model = nn.Linear(3, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = du.load_checkpoint(backend, folder, model=model)
     assert state["step"] == 2 and (np.array(model.bias) == 2.0).all()
     if du.local_rank(backend) == 0:  # rank 0 reads the files, and warns
-        assert any("skipped 1 newer damaged checkpoints" in str(w.message) and "model.bias" in str(w.message)
-                   for w in caught), [str(w.message) for w in caught]  # fmt: skip
+        assert any(
+            "skipped 1 newer damaged checkpoints" in str(w.message) and "model.bias" in str(w.message)
+            for w in caught
+        ), [str(w.message) for w in caught]
 
 
 def test_a_checkpoint_without_checksums_loads_unverified(backend, tmp_path):

@@ -12,8 +12,22 @@ from hypothesis.extra import numpy as hnp
 
 import distributed_utils as du
 
-DTYPES = [mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
-          mx.int64, mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64]  # fmt: skip
+DTYPES = [
+    mx.bool_,
+    mx.uint8,
+    mx.uint16,
+    mx.uint32,
+    mx.uint64,
+    mx.int8,
+    mx.int16,
+    mx.int32,
+    mx.int64,
+    mx.float16,
+    mx.bfloat16,
+    mx.float32,
+    mx.float64,
+    mx.complex64,
+]
 FLOATS = [mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64]
 NUMPY_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
 
@@ -28,8 +42,10 @@ def contribution(rank, dtype, shape=(5,)):
 
 
 def expected(backend, dtype, op, shape=(5,)):
-    parts = [np.array(contribution(r, dtype, shape).astype(mx.float64 if dtype != mx.complex64 else mx.complex64))
-             for r in range(du.total_workers(backend))]  # fmt: skip
+    parts = [
+        np.array(contribution(r, dtype, shape).astype(mx.float64 if dtype != mx.complex64 else mx.complex64))
+        for r in range(du.total_workers(backend))
+    ]
     if dtype == mx.bool_:
         parts = [p.astype(bool) for p in parts]
         return (np.any if op in ("sum", "max") else np.all)(parts, axis=0)
@@ -53,7 +69,9 @@ def test_allreduce_every_op_and_dtype(backend, dtype):
         assert isinstance(out, mx.array) and out.dtype == dtype and out.shape == mine.shape
         want = expected(backend, dtype, op)
         got = np.array(out.astype(mx.float64) if dtype in (mx.bfloat16, mx.float16) else out)
-        np.testing.assert_allclose(got, want, rtol=1e-2 if dtype in (mx.float16, mx.bfloat16) else 1e-6, err_msg=op)
+        np.testing.assert_allclose(
+            got, want, rtol=1e-2 if dtype in (mx.float16, mx.bfloat16) else 1e-6, err_msg=op
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -75,7 +93,12 @@ def test_bcast_is_bit_exact(backend):
     if du.local_rank(backend) != 0:
         bits[:] = 0
     out = du.bcast(backend, mx.array(bits.view(np.float32)), root=0)
-    assert (np.array(out).view(np.uint32) == np.array(bits if du.local_rank(backend) == 0 else [0x7FC00123, *specials[1:].view(np.uint32)], np.uint32)).all()
+    assert (
+        np.array(out).view(np.uint32)
+        == np.array(
+            bits if du.local_rank(backend) == 0 else [0x7FC00123, *specials[1:].view(np.uint32)], np.uint32
+        )
+    ).all()
     out64 = du.bcast(backend, np.array([-0.0, np.nan]) * (du.local_rank(backend) == 0 or 1), root=0)
     assert np.signbit(out64[0]) and np.isnan(out64[1])
 
@@ -137,13 +160,21 @@ def test_ranks(backend):
     [
         (lambda b: du.allreduce(b, 1, "mean"), ValueError, "unknown reduction op 'mean'"),
         (lambda b: du.allreduce(b, np.arange(3), "avg"), TypeError, "'avg' needs a floating"),
-        (lambda b: du.allreduce(b, mx.array([1j], mx.complex64), "max"), TypeError, "not defined for complex"),
+        (
+            lambda b: du.allreduce(b, mx.array([1j], mx.complex64), "max"),
+            TypeError,
+            "not defined for complex",
+        ),
         (lambda b: du.allreduce(b, np.array(["a"]), "sum"), TypeError, "dtype <U1 is not supported"),
         (lambda b: du.allreduce(b, np.array([1j]), "sum"), TypeError, "complex128 is not supported"),
         (lambda b: du.allreduce(b, 1j, "sum"), TypeError, "dtype complex128 is not supported"),
         (lambda b: du.allreduce(b, [1, 2], "sum"), TypeError, "cannot reduce a list"),
         (lambda b: du.bcast(b, 1, root=99), ValueError, "root=99 is not a rank"),
-        (lambda b: du.allreduce(du.MPIBackend, 1, "sum"), TypeError, "du.get_distributed_backend(du.MPIBackend)"),
+        (
+            lambda b: du.allreduce(du.MPIBackend, 1, "sum"),
+            TypeError,
+            "du.get_distributed_backend(du.MPIBackend)",
+        ),
         (lambda b: du.initialize(b), TypeError, "not the backend instance"[4:]),
         (lambda b: du.initialize("mpi"), TypeError, "expected a backend class"),
         (lambda b: du.initialize(du.AbstractBackend), TypeError, "is abstract"),
@@ -162,8 +193,13 @@ def test_initialize_is_idempotent(backend):
     assert du.initialized(type(backend)) and du.get_distributed_backend(type(backend)) is backend
 
 
-@given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=0, max_dims=3, max_side=4),
-                  elements=st.floats(allow_nan=True, allow_infinity=True, width=32)))  # fmt: skip
+@given(
+    hnp.arrays(
+        np.float32,
+        hnp.array_shapes(min_dims=0, max_dims=3, max_side=4),
+        elements=st.floats(allow_nan=True, allow_infinity=True, width=32),
+    )
+)
 def test_bcast_any_float_array_exactly(backend, data):
     """Root's bits arrive unchanged whatever they are (NaN payloads, -0.0, inf, subnormals)."""
     rank = du.local_rank(backend)

@@ -14,7 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import distributed_utils as du
-from distributed_utils.partition import batch_count, epoch_indices, exactly_once_indices, shard_bounds, share_sizes
+from distributed_utils.partition import (
+    batch_count,
+    epoch_indices,
+    exactly_once_indices,
+    shard_bounds,
+    share_sizes,
+)
 
 from test_optimizer import assert_same_parameters, dataset, loss_fn, mlp
 
@@ -27,25 +33,35 @@ def as_list(batch):
 
 
 @given(
-    n=st.integers(1, 150), batch=st.integers(1, 12), shuffle=st.booleans(), seed=st.integers(0, 9),
+    n=st.integers(1, 150),
+    batch=st.integers(1, 12),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 9),
     parts=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 12), st.floats(0, 1)), min_size=1, max_size=3),
-    world=st.integers(1, 6), drop_last=st.booleans(),
-)  # fmt: skip
-def test_an_epoch_resumed_at_other_world_sizes_visits_the_rest_exactly_once(n, batch, shuffle, seed, parts, world, drop_last):
+    world=st.integers(1, 6),
+    drop_last=st.booleans(),
+)
+def test_an_epoch_resumed_at_other_world_sizes_visits_the_rest_exactly_once(
+    n, batch, shuffle, seed, parts, world, drop_last
+):
     """Restarts at other world sizes and batch sizes: each part visits only items no earlier
     part visited; the last part, at ``world`` ranks, visits all that is left (drop_last:
     all but fewer than world * batch), with equal batch counts on every rank."""
     done, seen = [], set()
     for world_then, batch_then, fraction in parts:
-        orders = [epoch_indices(n, world_then, r, batch_then, shuffle=shuffle, seed=seed, done=done)
-                  for r in range(world_then)]  # fmt: skip
+        orders = [
+            epoch_indices(n, world_then, r, batch_then, shuffle=shuffle, seed=seed, done=done)
+            for r in range(world_then)
+        ]
         batches = int(fraction * -(-len(orders[0]) // batch_then))  # stopped after this many
         visited = {i for order in orders for i in order[: batches * batch_then].tolist()}
         assert not visited & seen
         seen |= visited
         done.append((world_then, batch_then, batches))
-    orders = [epoch_indices(n, world, r, batch, shuffle=shuffle, seed=seed, drop_last=drop_last, done=done)
-              for r in range(world)]  # fmt: skip
+    orders = [
+        epoch_indices(n, world, r, batch, shuffle=shuffle, seed=seed, drop_last=drop_last, done=done)
+        for r in range(world)
+    ]
     assert len({len(order) for order in orders}) == 1
     rest = np.concatenate(orders).tolist()
     assert not set(rest) & seen
@@ -68,10 +84,17 @@ def test_shard_bounds_are_array_split_and_lux_chunks_when_they_divide(n, world):
 
 
 @given(
-    n=st.integers(1, 200), world=st.integers(1, 24), batch=st.integers(1, 40),
-    drop_last=st.booleans(), shuffle=st.booleans(), seed=st.integers(0, 2**32), epoch=st.integers(0, 5),
-)  # fmt: skip
-def test_epoch_indices_give_equal_batches_and_cover_the_data(n, world, batch, drop_last, shuffle, seed, epoch):
+    n=st.integers(1, 200),
+    world=st.integers(1, 24),
+    batch=st.integers(1, 40),
+    drop_last=st.booleans(),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 2**32),
+    epoch=st.integers(0, 5),
+)
+def test_epoch_indices_give_equal_batches_and_cover_the_data(
+    n, world, batch, drop_last, shuffle, seed, epoch
+):
     orders = [
         epoch_indices(n, world, r, batch, shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last)
         for r in range(world)
@@ -98,7 +121,9 @@ def test_epoch_indices_give_equal_batches_and_cover_the_data(n, world, batch, dr
 @given(n=st.integers(2, 200), world=st.integers(1, 8), seed=st.integers(0, 1000))
 def test_shuffle_depends_on_seed_and_epoch_only(n, world, seed):
     def order(epoch, s=seed):
-        return np.concatenate([epoch_indices(n, world, r, 1, shuffle=True, seed=s, epoch=epoch) for r in range(world)])
+        return np.concatenate(
+            [epoch_indices(n, world, r, 1, shuffle=True, seed=s, epoch=epoch) for r in range(world)]
+        )
 
     assert (order(3) == order(3)).all()
     if n >= 8:  # n! orders: a repeat would be a bug, not bad luck
@@ -112,14 +137,18 @@ def test_shuffle_depends_on_seed_and_epoch_only(n, world, seed):
 def test_shards_are_disjoint_and_complete(backend, n, kind):
     x = np.arange(n) * 10
     data = {
-        "list": list(x), "numpy": x, "mx": mx.array(x),
-        "tuple": (x, np.arange(n)), "dict": {"x": x, "i": list(range(n))},
-    }[kind]  # fmt: skip
+        "list": list(x),
+        "numpy": x,
+        "mx": mx.array(x),
+        "tuple": (x, np.arange(n)),
+        "dict": {"x": x, "i": list(range(n))},
+    }[kind]
     c = du.DistributedDataContainer(backend, data)
     local = list(c.indices)
     assert len(c) == len(local)
     items = list(c)
     assert len(items) == len(c)
+
     def value(item):
         return int(item[0] if kind == "tuple" else item["x"] if kind == "dict" else item)
 
@@ -152,7 +181,9 @@ def test_shuffled_epochs_are_identical_on_every_rank_and_cover_the_data(backend,
     everyone = du.allgather(backend, mine)
     assert set(v for share in everyone for v in share) == set(range(n))
     # every rank computes the same global order: rank r's batches are r's slice of it
-    expected = [epoch_indices(n, world, r, batch, shuffle=True, seed=seed, epoch=epoch).tolist() for r in range(world)]
+    expected = [
+        epoch_indices(n, world, r, batch, shuffle=True, seed=seed, epoch=epoch).tolist() for r in range(world)
+    ]
     assert everyone == expected
     if n >= 8:
         other = [v for b in c.batches(batch, shuffle=True, seed=seed, epoch=epoch + 1) for v in as_list(b)]
@@ -164,7 +195,9 @@ def test_resuming_mid_epoch_yields_exactly_the_remaining_batches(backend, n, bat
     c = du.DistributedDataContainer(backend, np.arange(n))
     full = [as_list(b) for b in c.batches(batch, shuffle=True, seed=7, epoch=2, drop_last=drop_last)]
     start = data.draw(st.integers(0, len(full)))
-    resumed = [as_list(b) for b in c.batches(batch, shuffle=True, seed=7, epoch=2, drop_last=drop_last, start=start)]
+    resumed = [
+        as_list(b) for b in c.batches(batch, shuffle=True, seed=7, epoch=2, drop_last=drop_last, start=start)
+    ]
     assert resumed == full[start:]
 
 
@@ -180,7 +213,10 @@ def test_batches_of_each_kind_of_data(backend):
 
     rows = [{"x": np.full(2, i), "label": f"item {i}"} for i in range(n)]
     b = next(iter(du.DistributedDataContainer(backend, rows).batches(3)))
-    assert b["x"].shape == (3, 2) and b["label"][0] == f"item {shard_bounds(n, du.total_workers(backend), rank)[0]}"
+    assert (
+        b["x"].shape == (3, 2)
+        and b["label"][0] == f"item {shard_bounds(n, du.total_workers(backend), rank)[0]}"
+    )
 
     pairs = [(i, float(i) / 2) for i in range(n)]
     i, half = next(iter(du.DistributedDataContainer(backend, pairs).batches(5)))
@@ -264,7 +300,9 @@ def test_errors_name_what_is_wrong_and_the_rank(backend):
         c.batches(2, start=99)
     with pytest.raises(IndexError, match=rank):
         c[len(c)]
-    with pytest.raises(TypeError, match=f"{rank}: cannot index a generator; pass a sequence \\(an iterator: list"):
+    with pytest.raises(
+        TypeError, match=f"{rank}: cannot index a generator; pass a sequence \\(an iterator: list"
+    ):
         du.DistributedDataContainer(backend, (i for i in range(3)))
 
 
@@ -274,8 +312,11 @@ def test_data_of_different_lengths_on_different_ranks_fails_on_every_rank(backen
     if size == 1:
         assert len(du.DistributedDataContainer(backend, list(range(7)))) == 7
         return
-    with pytest.raises(ValueError, match=r"every rank needs the same data \(the whole data set\), of length; "
-                       r"ranks \[1(, 2)?(, 3)?\] differ from rank 0 \(rank 0: 10, rank 1: 11"):
+    with pytest.raises(
+        ValueError,
+        match=r"every rank needs the same data \(the whole data set\), of length; "
+        r"ranks \[1(, 2)?(, 3)?\] differ from rank 0 \(rank 0: 10, rank 1: 11",
+    ):
         du.DistributedDataContainer(backend, list(range(10 + rank)))
 
 
@@ -302,7 +343,11 @@ def test_resuming_mid_epoch_at_another_world_size_visits_the_rest_once(backend):
     items that job had not, with a warning on rank 0 that names the new global batch."""
     rank, size = du.local_rank(backend), du.total_workers(backend)
     saved = {"epoch": 1, "batches": 2, "world_size": size + 1, "batch_size": 3, "before": []}
-    visited = {i for r in range(size + 1) for i in epoch_indices(50, size + 1, r, 3, shuffle=True, seed=5, epoch=1)[:6]}
+    visited = {
+        i
+        for r in range(size + 1)
+        for i in epoch_indices(50, size + 1, r, 3, shuffle=True, seed=5, epoch=1)[:6]
+    }
     data = du.DistributedDataContainer(backend, np.arange(50))
     data.load_state_dict(saved)
     with warnings.catch_warnings(record=True) as caught:
@@ -329,15 +374,22 @@ def test_a_resharded_epoch_saved_again_keeps_what_every_part_visited(backend):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         next(data.batches(3))
-    assert data.state_dict() == {"epoch": 0, "batches": 1, "world_size": size, "batch_size": 3,
-                                 "before": [[size + 2, 2, 1]]}  # fmt: skip
+    assert data.state_dict() == {
+        "epoch": 0,
+        "batches": 1,
+        "world_size": size,
+        "batch_size": 3,
+        "before": [[size + 2, 2, 1]],
+    }
 
 
 def test_an_old_position_without_a_batch_size_at_another_world_size_is_a_clear_error(backend):
     data = du.DistributedDataContainer(backend, np.arange(50))
     with pytest.raises(ValueError, match="without its batch size"):
         data.load_state_dict({"epoch": 1, "batches": 2, "world_size": du.total_workers(backend) + 1})
-    data.load_state_dict({"epoch": 4, "batches": 0, "world_size": du.total_workers(backend) + 1})  # a boundary
+    data.load_state_dict(
+        {"epoch": 4, "batches": 0, "world_size": du.total_workers(backend) + 1}
+    )  # a boundary
     assert data.epoch == 4
 
 
@@ -377,7 +429,9 @@ def test_length_grouped_batches_pad_less_and_visit_the_same_items(backend, lengt
         a = list(plain.batches(8, shuffle=True, seed=2, epoch=epoch))
         b = list(grouped.batches(8, shuffle=True, seed=2, epoch=epoch))
         assert len(a) == len(b) == plain.num_batches(8)
-        assert sorted(as_list(mx.concatenate([l for _, l in a]))) == sorted(as_list(mx.concatenate([l for _, l in b])))
+        assert sorted(as_list(mx.concatenate([l for _, l in a]))) == sorted(
+            as_list(mx.concatenate([l for _, l in b]))
+        )
         assert padding_fraction(b) < padding_fraction(a) / 3
         again = list(grouped.batches(8, shuffle=True, seed=2, epoch=epoch))  # deterministic
         assert all(mx.array_equal(x[0], y[0]).item() for x, y in zip(b, again))
@@ -405,10 +459,15 @@ def test_exactly_once_refuses_what_would_skip_or_repeat_items(backend):
 
 
 @given(
-    n=st.integers(1, 150), batch=st.integers(1, 8), shares=st.lists(st.floats(0.05, 5), min_size=1, max_size=5),
-    shuffle=st.booleans(), seed=st.integers(0, 9), drop_last=st.booleans(), fraction=st.floats(0, 1),
+    n=st.integers(1, 150),
+    batch=st.integers(1, 8),
+    shares=st.lists(st.floats(0.05, 5), min_size=1, max_size=5),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 9),
+    drop_last=st.booleans(),
+    fraction=st.floats(0, 1),
     world_after=st.integers(1, 5),
-)  # fmt: skip
+)
 def test_batch_shares_give_equal_steps_and_visit_the_items_as_equal_batches_do(
     n, batch, shares, shuffle, seed, drop_last, fraction, world_after
 ):
@@ -418,7 +477,10 @@ def test_batch_shares_give_equal_steps_and_visit_the_items_as_equal_batches_do(
     assert all(abs(k - world * batch * s / sum(shares)) < 1 for k, s in zip(sizes, shares))
     if min(sizes) == 0:
         return  # refused by batches() (tested below)
-    orders = [epoch_indices(n, world, r, sizes, shuffle=shuffle, seed=seed, drop_last=drop_last) for r in range(world)]
+    orders = [
+        epoch_indices(n, world, r, sizes, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        for r in range(world)
+    ]
     steps = batch_count(n, world, sizes, drop_last)
     assert [len(order) for order in orders] == [steps * k for k in sizes]  # full batches, equal steps
     every = np.concatenate(orders).tolist()
@@ -432,8 +494,10 @@ def test_batch_shares_give_equal_steps_and_visit_the_items_as_equal_batches_do(
     # stopped part way, resumed with equal batches at another world size: the rest, once
     done = int(fraction * steps)
     visited = {i for r, order in enumerate(orders) for i in order[: done * sizes[r]].tolist()}
-    rest = [epoch_indices(n, world_after, r, batch, shuffle=shuffle, seed=seed, done=[(world, sizes, done)])
-            for r in range(world_after)]  # fmt: skip
+    rest = [
+        epoch_indices(n, world_after, r, batch, shuffle=shuffle, seed=seed, done=[(world, sizes, done)])
+        for r in range(world_after)
+    ]
     rest = np.concatenate(rest).tolist()
     assert not set(rest) & visited and visited | set(rest) == set(range(n))
 
@@ -471,7 +535,9 @@ def test_shares_resume_exactly_and_bad_shares_fail_on_every_rank(backend):
     resumed = du.DistributedDataContainer(backend, np.arange(40))
     resumed.load_state_dict(data.state_dict())
     assert seen + [b.tolist() for b in resumed.batches(2, share=rank + 1)] == everything
-    with pytest.raises(ValueError, match=r"share must be a positive number or 'auto'; ranks \[0\] passed another"):
+    with pytest.raises(
+        ValueError, match=r"share must be a positive number or 'auto'; ranks \[0\] passed another"
+    ):
         next(data.batches(2, share=-1.0 if rank == 0 else 1.0))
     if n > 1:
         with pytest.raises(ValueError, match=r"give ranks \[1\] no item of the"):

@@ -28,7 +28,10 @@ def rank_data(rank, steps, batch=4, seed=0):
     rng = np.random.default_rng(seed + 7919 * rank)
     x = rng.standard_normal((steps * batch, 4)).astype(np.float32)
     y = np.stack([np.sin(x[:, 0] + x[:, 1]), x[:, 2] * x[:, 3]], axis=1).astype(np.float32)
-    return [(mx.array(x[s * batch : (s + 1) * batch]), mx.array(y[s * batch : (s + 1) * batch])) for s in range(steps)]
+    return [
+        (mx.array(x[s * batch : (s + 1) * batch]), mx.array(y[s * batch : (s + 1) * batch]))
+        for s in range(steps)
+    ]
 
 
 def train(backend, opt, steps, model=None, weights=None, seed=0, start=0, after_step=None):
@@ -39,7 +42,9 @@ def train(backend, opt, steps, model=None, weights=None, seed=0, start=0, after_
     for s, (x, y) in enumerate(rank_data(du.local_rank(backend), steps, seed=seed)[start:], start):
         _, grads = lg(model, x, y)
         before = watchdog._state.seq
-        opt.update(model, grads, **({} if weights is None else {"weight": weights(du.local_rank(backend), s)}))
+        opt.update(
+            model, grads, **({} if weights is None else {"weight": weights(du.local_rank(backend), s)})
+        )
         mx.eval(model.parameters(), opt.state)
         made.append(watchdog._state.seq - before)
         if after_step:
@@ -72,8 +77,12 @@ def reference(n, inner, outer, sync_every, steps, weights=None, seed=0, delay=0,
         if (s + 1 + delay) % sync_every == 0:
             locals_ = [dict(tree_flatten(m.parameters())) for m in models]
             share = seen / seen.sum()
-            pseudo = {k: mx.array(sum(share[r] * (np.array(global_[k]) - np.array(locals_[r][k])) for r in range(n)))
-                      for k in global_}  # fmt: skip
+            pseudo = {
+                k: mx.array(
+                    sum(share[r] * (np.array(global_[k]) - np.array(locals_[r][k])) for r in range(n))
+                )
+                for k in global_
+            }
             seen[:] = 0
         if (s + 1) % sync_every == 0:
             global_ = outer.apply_gradients(pseudo, global_)
@@ -101,8 +110,12 @@ def test_the_outer_step_averages_the_pseudo_gradients_as_defined(backend, weight
     sums the ranks' pseudo-gradients in its own order and scales before or after the sum."""
     weights = (lambda r, s: float(1 + (r + s) % 3)) if weighted else None
     outer = lambda: optim.SGD(0.7, momentum=0.9, nesterov=True)  # noqa: E731
-    got, _ = train(backend, du.DiLoCo(backend, optim.Adam(1e-2), outer_optimizer=outer(), sync_every=3),
-                   9, weights=weights)  # fmt: skip
+    got, _ = train(
+        backend,
+        du.DiLoCo(backend, optim.Adam(1e-2), outer_optimizer=outer(), sync_every=3),
+        9,
+        weights=weights,
+    )
     expected, _ = reference(du.total_workers(backend), optim.Adam(1e-2), outer(), 3, 9, weights)
     np.testing.assert_allclose(flat(got), expected, rtol=1e-5, atol=1e-6)
     assert not np.allclose(expected, flat(mlp()))
@@ -116,11 +129,18 @@ def test_a_delayed_sync_averages_the_pseudo_gradient_taken_delay_steps_before(ba
     definition in one process (not bit for bit: the transport's order of summing)."""
     weights = lambda r, s: float(1 + (r + s) % 3)  # noqa: E731
     outer = lambda: optim.SGD(0.7, momentum=0.9, nesterov=True)  # noqa: E731
-    opt = du.DiLoCo(backend, optim.Adam(1e-2), outer_optimizer=outer(), sync_every=4, fragment_sync_delay=2,
-                    fragment_update_alpha=alpha)  # fmt: skip
+    opt = du.DiLoCo(
+        backend,
+        optim.Adam(1e-2),
+        outer_optimizer=outer(),
+        sync_every=4,
+        fragment_sync_delay=2,
+        fragment_update_alpha=alpha,
+    )
     got, made = train(backend, opt, 12, weights=weights)
-    expected, rank0 = reference(du.total_workers(backend), optim.Adam(1e-2), outer(), 4, 12, weights, delay=2,
-                                alpha=alpha)  # fmt: skip
+    expected, rank0 = reference(
+        du.total_workers(backend), optim.Adam(1e-2), outer(), 4, 12, weights, delay=2, alpha=alpha
+    )
     global_ = np.concatenate([np.array(v).ravel() for _, v in tree_flatten(opt.state["global"])])
     np.testing.assert_allclose(global_, expected, rtol=1e-5, atol=1e-6)
     if du.local_rank(backend) == 0:
@@ -160,8 +180,15 @@ def test_fragments_sync_in_turn_each_every_h_steps(backend):
 
     def check(step, model):
         params = dict(tree_flatten(model.parameters()))
-        rest = np.concatenate([np.array(params[k]).ravel() for k in ("layers.0.bias", "layers.2.weight", "layers.2.bias")])
-        synced.append((replicas_agree(backend, np.array(params["layers.0.weight"]).ravel()), replicas_agree(backend, rest)))
+        rest = np.concatenate(
+            [np.array(params[k]).ravel() for k in ("layers.0.bias", "layers.2.weight", "layers.2.bias")]
+        )
+        synced.append(
+            (
+                replicas_agree(backend, np.array(params["layers.0.weight"]).ravel()),
+                replicas_agree(backend, rest),
+            )
+        )
 
     opt = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=4, fragments=2)
     _, made = train(backend, opt, 8, after_step=check)
@@ -210,21 +237,50 @@ def test_a_checkpoint_between_syncs_resumes_bit_for_bit(backend, tmp_path, delay
     "make,error,words",
     [
         (lambda b: du.DiLoCo(b, optim.SGD(0.1), sync_every=0), ValueError, "sync_every must be an int >= 1"),
-        (lambda b: du.DiLoCo(b, optim.SGD(0.1), sync_every=2, fragments=3), ValueError, "more than sync_every"),
+        (
+            lambda b: du.DiLoCo(b, optim.SGD(0.1), sync_every=2, fragments=3),
+            ValueError,
+            "more than sync_every",
+        ),
         (lambda b: du.DiLoCo(b, optim.SGD(0.1), outer_optimizer="sgd"), TypeError, "outer_optimizer must be"),
-        (lambda b: du.DiLoCo(b, du.DistributedOptimizer(b, optim.SGD(0.1))), TypeError, "already distributed"),
+        (
+            lambda b: du.DiLoCo(b, du.DistributedOptimizer(b, optim.SGD(0.1))),
+            TypeError,
+            "already distributed",
+        ),
         (lambda b: du.DiLoCo(b, optim.SGD(0.1), compression="int4"), ValueError, "compression must be"),
-        (lambda b: train(b, du.DiLoCo(b, optim.SGD(0.1), sync_every=8, fragments=5), 1), ValueError,
-         "only 4 parameter arrays"),
-        (lambda b: train(b, du.DiLoCo(b, optim.SGD(0.1)), 2, weights=lambda r, s: 1.0 if s == 0 else None),
-         ValueError, "weight= to every update or to none"),
-        (lambda b: du.DiLoCo(b, optim.SGD(0.1), sync_every=10, fragments=2, fragment_sync_delay=5), ValueError,
-         "fragment_sync_delay=5 must be less than sync_every // fragments = 5"),
-        (lambda b: du.DiLoCo(b, optim.SGD(0.1), fragment_update_alpha=1.5), ValueError,
-         r"fragment_update_alpha must be in \[0, 1\]"),
+        (
+            lambda b: train(b, du.DiLoCo(b, optim.SGD(0.1), sync_every=8, fragments=5), 1),
+            ValueError,
+            "only 4 parameter arrays",
+        ),
+        (
+            lambda b: train(b, du.DiLoCo(b, optim.SGD(0.1)), 2, weights=lambda r, s: 1.0 if s == 0 else None),
+            ValueError,
+            "weight= to every update or to none",
+        ),
+        (
+            lambda b: du.DiLoCo(b, optim.SGD(0.1), sync_every=10, fragments=2, fragment_sync_delay=5),
+            ValueError,
+            "fragment_sync_delay=5 must be less than sync_every // fragments = 5",
+        ),
+        (
+            lambda b: du.DiLoCo(b, optim.SGD(0.1), fragment_update_alpha=1.5),
+            ValueError,
+            r"fragment_update_alpha must be in \[0, 1\]",
+        ),
     ],
-    ids=["sync_every", "fragments>H", "outer", "distributed-inner", "compression", "fragments>arrays", "weight",
-         "delay", "alpha"],
+    ids=[
+        "sync_every",
+        "fragments>H",
+        "outer",
+        "distributed-inner",
+        "compression",
+        "fragments>arrays",
+        "weight",
+        "delay",
+        "alpha",
+    ],
 )
 def test_bad_input_is_a_clear_error_on_every_rank(backend, make, error, words):
     with pytest.raises(error, match=words):
@@ -234,6 +290,9 @@ def test_bad_input_is_a_clear_error_on_every_rank(backend, make, error, words):
 @pytest.mark.world(min_size=2)
 def test_ranks_with_other_settings_fail_on_every_rank_at_the_first_update(backend):
     opt = du.DiLoCo(backend, optim.SGD(0.1), sync_every=4 + (du.local_rank(backend) == 1))
-    with pytest.raises(ValueError, match=r"DiLoCo: every rank needs the same sync_every; ranks \[1\] differ from "
-                                         r"rank 0 \(rank 0: 4, rank 1: 5(, rank 2: 4)?(, rank 3: 4)?\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"DiLoCo: every rank needs the same sync_every; ranks \[1\] differ from "
+        r"rank 0 \(rank 0: 4, rank 1: 5(, rank 2: 4)?(, rank 3: 4)?\)",
+    ):
         train(backend, opt, 1)

@@ -38,15 +38,21 @@ def test_a_gradient_tree_that_changes_on_one_rank_later_raises_on_every_rank(bac
     grads = {"weight": mx.ones((2, 4)), "bias": mx.ones(2)}
     opt.update(model, grads)  # the first step: every rank alike
     changed = {"weight": mx.ones((2, 4 + (backend.rank == 1))), "bias": mx.ones(2)}
-    raised_everywhere(backend, lambda: opt.reduce_gradients(changed), TreeMismatchError, "first difference at key 'weight'")
+    raised_everywhere(
+        backend, lambda: opt.reduce_gradients(changed), TreeMismatchError, "first difference at key 'weight'"
+    )
 
 
 def test_numpy_arrays_with_negative_strides(backend):  # d8
     rank, size = du.local_rank(backend), du.total_workers(backend)
     x = np.arange(4, dtype=np.float32)[::-1] + rank
-    np.testing.assert_array_equal(du.allreduce(backend, x, "sum"), sum(np.arange(4)[::-1] + r for r in range(size)))
+    np.testing.assert_array_equal(
+        du.allreduce(backend, x, "sum"), sum(np.arange(4)[::-1] + r for r in range(size))
+    )
     np.testing.assert_array_equal(du.bcast(backend, x), np.arange(4, dtype=np.float32)[::-1])
-    np.testing.assert_array_equal(du.synchronize(backend, {"x": x})["x"], np.arange(4, dtype=np.float32)[::-1])
+    np.testing.assert_array_equal(
+        du.synchronize(backend, {"x": x})["x"], np.arange(4, dtype=np.float32)[::-1]
+    )
 
 
 def _rebuild_on_root_only():
@@ -64,18 +70,30 @@ class OnlyRootUnpickles:
 def test_an_object_other_ranks_cannot_unpickle_raises_on_every_rank(backend):  # d9
     payload = OnlyRootUnpickles() if backend.rank == 0 else None
     raised_everywhere(backend, lambda: du.bcast(backend, payload), TypeError, "cannot unpickle it")
-    raised_everywhere(backend, lambda: du.synchronize(backend, {"x": payload, "w": mx.ones(2)}), TypeError,
-                      "cannot unpickle it")  # fmt: skip
+    raised_everywhere(
+        backend,
+        lambda: du.synchronize(backend, {"x": payload, "w": mx.ones(2)}),
+        TypeError,
+        "cannot unpickle it",
+    )
 
 
 @MULTI_RANK
 def test_an_object_one_rank_cannot_pickle_raises_on_every_rank(backend):  # it was None in the others' lists
     last = backend.size - 1
     mine = (lambda: 1) if backend.rank == last else "ok"
-    raised_everywhere(backend, lambda: du.allgather(backend, mine), TypeError,
-                      f"the objects ranks gather: rank {last} cannot pickle it")  # fmt: skip
-    raised_everywhere(backend, lambda: du.bcast(backend, mine, root=last), TypeError,
-                      f"the object rank {last} broadcasts: rank {last} cannot pickle it")  # fmt: skip
+    raised_everywhere(
+        backend,
+        lambda: du.allgather(backend, mine),
+        TypeError,
+        f"the objects ranks gather: rank {last} cannot pickle it",
+    )
+    raised_everywhere(
+        backend,
+        lambda: du.bcast(backend, mine, root=last),
+        TypeError,
+        f"the object rank {last} broadcasts: rank {last} cannot pickle it",
+    )
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -97,8 +115,12 @@ def test_a_failed_save_leaves_no_temporary_file_and_raises_everywhere(backend, t
     target = f"{folder}/is-a-directory"
     if backend.rank == 0:
         (tmp_path / "is-a-directory").mkdir()
-    raised_everywhere(backend, lambda: du.save_checkpoint(backend, target, model=nn.Linear(2, 2)), du.CheckpointError,
-                      "rank 0 could not write")  # fmt: skip
+    raised_everywhere(
+        backend,
+        lambda: du.save_checkpoint(backend, target, model=nn.Linear(2, 2)),
+        du.CheckpointError,
+        "rank 0 could not write",
+    )
     if backend.rank == 0:
         assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
@@ -120,17 +142,29 @@ def _drop_world_size(header):
 
 
 CORRUPT = [
-    ("an unknown dtype", lambda h: h["model.weight"].__setitem__("dtype", "X9"), "ck is incomplete or corrupt: [safetensor] unsupported dtype X9"),
+    (
+        "an unknown dtype",
+        lambda h: h["model.weight"].__setitem__("dtype", "X9"),
+        "ck is incomplete or corrupt: [safetensor] unsupported dtype X9",
+    ),
     ("metadata missing", _drop_world_size, "missing ['world_size']"),
-    ("offsets shorter than the shape", lambda h: h["model.bias"].__setitem__("data_offsets", [0, 4]),
-     "ck is incomplete or corrupt: [load_safetensors] Tensor 'model.bias' invalid data offsets"),
-    ("optimizer state of another shape", lambda h: h["optimizer.weight.m"].__setitem__("shape", [16, 64]),
-     "does not fit the optimizer: at 'weight.m'"),
-]  # fmt: skip
+    (
+        "offsets shorter than the shape",
+        lambda h: h["model.bias"].__setitem__("data_offsets", [0, 4]),
+        "ck is incomplete or corrupt: [load_safetensors] Tensor 'model.bias' invalid data offsets",
+    ),
+    (
+        "optimizer state of another shape",
+        lambda h: h["optimizer.weight.m"].__setitem__("shape", [16, 64]),
+        "does not fit the optimizer: at 'weight.m'",
+    ),
+]
 
 
 @pytest.mark.parametrize("what, edit, words", CORRUPT, ids=[c[0] for c in CORRUPT])
-def test_corrupt_checkpoint_headers_are_checkpoint_errors_on_every_rank(backend, tmp_path, what, edit, words):  # d12
+def test_corrupt_checkpoint_headers_are_checkpoint_errors_on_every_rank(
+    backend, tmp_path, what, edit, words
+):  # d12
     path = du.bcast(backend, str(tmp_path / "ck"))
     model = nn.Linear(16, 64)
     opt = du.DistributedOptimizer(backend, optim.Adam(1e-3))
@@ -138,8 +172,12 @@ def test_corrupt_checkpoint_headers_are_checkpoint_errors_on_every_rank(backend,
     du.save_checkpoint(backend, path, model=model, optimizer=opt, step=1)
     if backend.rank == 0:
         _rewrite_header(path, edit)
-    raised_everywhere(backend, lambda: du.load_checkpoint(backend, path, model=model, optimizer=opt),
-                      du.CheckpointError, words)  # fmt: skip
+    raised_everywhere(
+        backend,
+        lambda: du.load_checkpoint(backend, path, model=model, optimizer=opt),
+        du.CheckpointError,
+        words,
+    )
 
 
 @MULTI_RANK
@@ -148,7 +186,9 @@ def test_a_forgotten_synchronize_raises_at_the_first_update_on_every_rank(backen
     model = nn.Linear(3, 2)
     opt = du.DistributedOptimizer(backend, optim.SGD(0.1))
     grads = {"weight": mx.ones((2, 3)), "bias": mx.ones(2)}
-    raised_everywhere(backend, lambda: opt.update(model, grads), ValueError, "call du.synchronize(backend, model)")
+    raised_everywhere(
+        backend, lambda: opt.update(model, grads), ValueError, "call du.synchronize(backend, model)"
+    )
     du.synchronize(backend, model)
     opt.update(model, grads)  # now it goes on
 
@@ -157,7 +197,12 @@ def test_a_forgotten_synchronize_raises_at_the_first_update_on_every_rank(backen
 def test_batches_with_a_different_batch_size_on_one_rank_raise_on_every_rank(backend):  # #11
     data = du.DistributedDataContainer(backend, np.arange(40))
     batch = 4 + (backend.rank == 1)
-    raised_everywhere(backend, lambda: data.batches(batch), ValueError, "batches(): every rank needs the same batch_size; ranks [1] differ from rank 0")
+    raised_everywhere(
+        backend,
+        lambda: data.batches(batch),
+        ValueError,
+        "batches(): every rank needs the same batch_size; ranks [1] differ from rank 0",
+    )
 
 
 @pytest.mark.world(backend=du.MLXBackend)

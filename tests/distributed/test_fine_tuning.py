@@ -33,8 +33,13 @@ def loss_fn(model, x, y):
 
 def batches(rank, steps):
     rng = np.random.default_rng(100 + rank)
-    return [(mx.array(rng.standard_normal((5, 6)).astype(np.float32)),
-             mx.array(rng.standard_normal((5, 4)).astype(np.float32))) for _ in range(steps)]  # fmt: skip
+    return [
+        (
+            mx.array(rng.standard_normal((5, 6)).astype(np.float32)),
+            mx.array(rng.standard_normal((5, 4)).astype(np.float32)),
+        )
+        for _ in range(steps)
+    ]
 
 
 def train(backend, model, opt, data):
@@ -96,4 +101,7 @@ def test_an_adapters_file_is_what_mlx_and_mlx_lm_read(backend, tmp_path):
         assert json.loads(open(f"{folder}/adapter_config.json").read()) == config
         fresh = Adapted(0)
         fresh.load_weights(f"{folder}/adapters.safetensors", strict=False)  # as mlx-lm's load_adapters
-        assert mx.array_equal(fresh.lora_a, model.lora_a).item() and mx.array_equal(fresh.lora_b, model.lora_b).item()
+        assert (
+            mx.array_equal(fresh.lora_a, model.lora_a).item()
+            and mx.array_equal(fresh.lora_b, model.lora_b).item()
+        )

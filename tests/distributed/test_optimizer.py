@@ -59,8 +59,11 @@ def reference_and_mine(backend, batch, steps, k=1, seed=0):
     x, y = dataset(seed, steps * k * n * batch)
     big = k * n * batch
     full = [(x[s * big : (s + 1) * big], y[s * big : (s + 1) * big]) for s in range(steps)]
-    mine = [(bx[(j * n + r) * batch : (j * n + r + 1) * batch], by[(j * n + r) * batch : (j * n + r + 1) * batch])
-            for bx, by in full for j in range(k)]  # fmt: skip
+    mine = [
+        (bx[(j * n + r) * batch : (j * n + r + 1) * batch], by[(j * n + r) * batch : (j * n + r + 1) * batch])
+        for bx, by in full
+        for j in range(k)
+    ]
     return full, mine
 
 
@@ -78,8 +81,13 @@ def contribution(rank, shape, dtype=mx.float32, seed=0):
 
 
 def mean_over_ranks(backend, shape, dtype=mx.float32, seed=0):
-    return np.mean([np.array(contribution(r, shape, dtype, seed).astype(mx.float32))
-                    for r in range(du.total_workers(backend))], axis=0)  # fmt: skip
+    return np.mean(
+        [
+            np.array(contribution(r, shape, dtype, seed).astype(mx.float32))
+            for r in range(du.total_workers(backend))
+        ],
+        axis=0,
+    )
 
 
 # ---- training equivalence: N ranks at batch B == one process at batch N * B ----
@@ -92,14 +100,23 @@ def test_n_ranks_train_like_one_process_with_n_times_the_batch(backend, name):
     opt = du.DistributedOptimizer(backend, OPTIMIZERS[name]())
     got = train(mlp(), opt, mine)
     assert_same_parameters(got, expected)
-    assert not np.allclose(np.array(got.parameters()["layers"][0]["weight"]), np.array(mlp().parameters()["layers"][0]["weight"]))
+    assert not np.allclose(
+        np.array(got.parameters()["layers"][0]["weight"]), np.array(mlp().parameters()["layers"][0]["weight"])
+    )
     if name != "multi":
         assert opt.step.item() == 4
 
 
 EVERY_OPTIMIZER = sorted(
-    (c for c in vars(optim).values() if isinstance(c, type) and issubclass(c, optim.Optimizer)
-     and c not in (optim.Optimizer, optim.MultiOptimizer)), key=lambda c: c.__name__)  # fmt: skip
+    (
+        c
+        for c in vars(optim).values()
+        if isinstance(c, type)
+        and issubclass(c, optim.Optimizer)
+        and c not in (optim.Optimizer, optim.MultiOptimizer)
+    ),
+    key=lambda c: c.__name__,
+)
 
 
 @pytest.mark.parametrize("cls", EVERY_OPTIMIZER, ids=lambda c: c.__name__)
@@ -111,12 +128,18 @@ def test_every_mlx_optimizer_trains_like_one_process(backend, cls):
 
 
 @settings(max_examples=4)
-@given(batch=st.integers(1, 5), seed=st.integers(0, 2**16), name=st.sampled_from(sorted(OPTIMIZERS)),
-       bucket_bytes=st.sampled_from([0, 64, None]))  # fmt: skip
+@given(
+    batch=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    bucket_bytes=st.sampled_from([0, 64, None]),
+)
 def test_equivalence_over_batches_seeds_and_buckets(backend, batch, seed, name, bucket_bytes):
     full, mine = reference_and_mine(backend, batch=batch, steps=2, seed=seed)
     expected = train(mlp(seed), OPTIMIZERS[name](), full)
-    got = train(mlp(seed), du.DistributedOptimizer(backend, OPTIMIZERS[name](), bucket_bytes=bucket_bytes), mine)
+    got = train(
+        mlp(seed), du.DistributedOptimizer(backend, OPTIMIZERS[name](), bucket_bytes=bucket_bytes), mine
+    )
     assert_same_parameters(got, expected)
 
 
@@ -159,7 +182,9 @@ def train_with_the_first_layer_frozen(backend, opt):
 
 
 def test_frozen_layers_stay_frozen_and_the_rest_trains_like_one_process(backend):
-    got, expected, frozen = train_with_the_first_layer_frozen(backend, du.DistributedOptimizer(backend, optim.Adam(1e-2)))
+    got, expected, frozen = train_with_the_first_layer_frozen(
+        backend, du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    )
     assert_same_parameters(got, expected)
     assert np.array_equal(np.array(got.layers[0].weight), frozen)
 
@@ -174,8 +199,12 @@ SHAPES = [(), (1,), (7,), (3, 5), (33, 17), (2, 3, 4)]
 def test_reduce_gradients_matches_the_mean_or_sum_for_every_bucketing(backend, bucket_bytes, op):
     dtypes = [mx.float32, mx.float16, mx.bfloat16, mx.float32, mx.float32, mx.float16]
     rank, n = du.local_rank(backend), du.total_workers(backend)
-    grads = {"w": [contribution(rank, s, d, seed=i) for i, (s, d) in enumerate(zip(SHAPES, dtypes))],
-             "none": None, "frozen": {}, "tail": (contribution(rank, (5,), seed=99),)}  # fmt: skip
+    grads = {
+        "w": [contribution(rank, s, d, seed=i) for i, (s, d) in enumerate(zip(SHAPES, dtypes))],
+        "none": None,
+        "frozen": {},
+        "tail": (contribution(rank, (5,), seed=99),),
+    }
     opt = du.DistributedOptimizer(backend, optim.SGD(0.1), op=op, bucket_bytes=bucket_bytes)
     out = opt.reduce_gradients(grads)
     assert out["none"] is None and out["frozen"] == {} and isinstance(out["tail"], tuple)
@@ -184,8 +213,14 @@ def test_reduce_gradients_matches_the_mean_or_sum_for_every_bucketing(backend, b
         assert got.shape == shape and got.dtype == dtype
         want = mean_over_ranks(backend, shape, dtype, seed=i) * (n if op == "sum" else 1)
         tol = 1e-5 if dtype == mx.float32 else 2e-2
-        np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=tol, atol=tol * n, err_msg=str(i))
-    np.testing.assert_allclose(np.array(out["tail"][0]), mean_over_ranks(backend, (5,), seed=99) * (n if op == "sum" else 1), rtol=1e-5)
+        np.testing.assert_allclose(
+            np.array(got.astype(mx.float32)), want, rtol=tol, atol=tol * n, err_msg=str(i)
+        )
+    np.testing.assert_allclose(
+        np.array(out["tail"][0]),
+        mean_over_ranks(backend, (5,), seed=99) * (n if op == "sum" else 1),
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("op", ["avg", "sum"])
@@ -193,10 +228,22 @@ def test_arrays_sharing_memory_or_not_contiguous_are_reduced_once_each(backend, 
     rank = du.local_rank(backend)
     base = contribution(rank, (4, 6))
     mx.eval(base)
-    grads = {"a": base, "same": base, "t": base.T, "slice": base[1:3], "broadcast": mx.broadcast_to(base[0], (3, 6))}
+    grads = {
+        "a": base,
+        "same": base,
+        "t": base.T,
+        "slice": base[1:3],
+        "broadcast": mx.broadcast_to(base[0], (3, 6)),
+    }
     out = du.DistributedOptimizer(backend, optim.SGD(0.1), op=op, bucket_bytes=0).reduce_gradients(grads)
     want = mean_over_ranks(backend, (4, 6)) * (du.total_workers(backend) if op == "sum" else 1)
-    for key, expect in {"a": want, "same": want, "t": want.T, "slice": want[1:3], "broadcast": np.broadcast_to(want[0], (3, 6))}.items():
+    for key, expect in {
+        "a": want,
+        "same": want,
+        "t": want.T,
+        "slice": want[1:3],
+        "broadcast": np.broadcast_to(want[0], (3, 6)),
+    }.items():
         np.testing.assert_allclose(np.array(out[key]), expect, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
@@ -209,7 +256,9 @@ def test_ranks_whose_arrays_share_memory_differently_still_agree(backend):
     want = mean_over_ranks(backend, (1536, 1024)) * du.total_workers(backend)
     for key in ("a", "b"):
         np.testing.assert_allclose(np.array(out[key]), want, rtol=1e-5, atol=1e-5, err_msg=key)
-    np.testing.assert_allclose(np.array(out["c"]), mean_over_ranks(backend, (3,)) * du.total_workers(backend), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.array(out["c"]), mean_over_ranks(backend, (3,)) * du.total_workers(backend), rtol=1e-5
+    )
 
 
 @pytest.mark.world(min_size=2, backend=du.MPIBackend)
@@ -227,7 +276,9 @@ def test_compression_is_close_to_float32_but_rounded(backend, compression, op):
     rank, n = du.local_rank(backend), du.total_workers(backend)
     grads = {"w": contribution(rank, (50, 40)), "b": contribution(rank, (40,), seed=1)}
     exact = du.DistributedOptimizer(backend, optim.SGD(0.1), op=op).reduce_gradients(grads)
-    out = du.DistributedOptimizer(backend, optim.SGD(0.1), op=op, compression=compression).reduce_gradients(grads)
+    out = du.DistributedOptimizer(backend, optim.SGD(0.1), op=op, compression=compression).reduce_gradients(
+        grads
+    )
     for key in grads:
         assert out[key].dtype == mx.float32
         np.testing.assert_allclose(np.array(out[key]), np.array(exact[key]), rtol=2e-2, atol=2e-2 * n)
@@ -240,8 +291,11 @@ def test_int8_compression_is_within_half_a_level_of_the_exact_mean(backend, weig
     """Each array travels as int8 in 127 // N levels of its largest magnitude over the ranks:
     each rank's rounding is at most half a level, so the mean is off by at most that."""
     rank, n = du.local_rank(backend), du.total_workers(backend)
-    grads = {"w": contribution(rank, (50, 40)), "b": contribution(rank, (40,), seed=1).astype(mx.float16),
-             "zero": mx.zeros((3,))}  # fmt: skip
+    grads = {
+        "w": contribution(rank, (50, 40)),
+        "b": contribution(rank, (40,), seed=1).astype(mx.float16),
+        "zero": mx.zeros((3,)),
+    }
     weight = rank + 1 if weighted else None
     exact = du.reduce_gradients(backend, grads, weight=weight)
     out = du.reduce_gradients(backend, grads, weight=weight, compression="int8")
@@ -261,7 +315,9 @@ def test_compression_pre_divides_so_that_large_sums_do_not_overflow(backend):
     n = du.total_workers(backend)
     grads = {"w": mx.full((8,), 60000.0)}  # float16's largest value is 65504
     for op, want in (("avg", 60000.0), ("sum", 60000.0 * n)):
-        out = du.DistributedOptimizer(backend, optim.SGD(0.1), op=op, compression=mx.float16).reduce_gradients(grads)
+        out = du.DistributedOptimizer(
+            backend, optim.SGD(0.1), op=op, compression=mx.float16
+        ).reduce_gradients(grads)
         assert np.isfinite(np.array(out["w"])).all()
         np.testing.assert_allclose(np.array(out["w"]), want, rtol=1e-3)
 
@@ -269,7 +325,11 @@ def test_compression_pre_divides_so_that_large_sums_do_not_overflow(backend):
 def test_compressed_accumulated_training_stays_close(backend):
     full, mine = reference_and_mine(backend, batch=2, steps=3, k=2)
     expected = train(mlp(), optim.SGD(0.1), full)
-    got = train(mlp(), du.DistributedOptimizer(backend, optim.SGD(0.1), accumulate_steps=2, compression=mx.bfloat16), mine)
+    got = train(
+        mlp(),
+        du.DistributedOptimizer(backend, optim.SGD(0.1), accumulate_steps=2, compression=mx.bfloat16),
+        mine,
+    )
     assert_same_parameters(got, expected, rtol=2e-2, atol=2e-3)
 
 
@@ -294,7 +354,10 @@ def test_compiled_train_step_with_the_wrapper_inside(backend, compression):
     """mlx-lm's idiom; on MPIBackend the traced collectives are MLX's own MPI ops."""
     full, mine = reference_and_mine(backend, batch=3, steps=4)
     expected = train(mlp(), OPTIMIZERS["adamw-schedule"](), full)
-    model, opt = mlp(), du.DistributedOptimizer(backend, OPTIMIZERS["adamw-schedule"](), compression=compression)
+    model, opt = (
+        mlp(),
+        du.DistributedOptimizer(backend, OPTIMIZERS["adamw-schedule"](), compression=compression),
+    )
     step = compiled_step(model, opt)
     for x, y in mine:
         mx.eval(step(x, y), model.parameters(), opt.state)
@@ -338,10 +401,15 @@ def test_synchronize_gives_every_rank_roots_state(backend):
     assert opt.learning_rate.item() == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("kwargs, error", [
-    ({"op": "max"}, ValueError), ({"accumulate_steps": 0}, ValueError),
-    ({"compression": mx.int16}, ValueError), ({"compression": "float8"}, ValueError),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"op": "max"}, ValueError),
+        ({"accumulate_steps": 0}, ValueError),
+        ({"compression": mx.int16}, ValueError),
+        ({"compression": "float8"}, ValueError),
+    ],
+)
 def test_bad_arguments_are_refused(backend, kwargs, error):
     with pytest.raises(error):
         du.DistributedOptimizer(backend, optim.SGD(0.1), **kwargs)
@@ -374,7 +442,10 @@ def test_mismatched_trees_raise_on_every_rank_on_the_first_reduction(backend, ch
         del grads["a"]
     opt = du.DistributedOptimizer(backend, optim.SGD(0.1))
     key = {"extra key": "b.d", "shape": "b.c", "dtype": "b.c", "missing key": "a"}[change]
-    with pytest.raises(TreeMismatchError, match=rf"DistributedOptimizer.update\(grads\).*'{key}'.*ranks \[{du.total_workers(backend) - 1}\]"):
+    with pytest.raises(
+        TreeMismatchError,
+        match=rf"DistributedOptimizer.update\(grads\).*'{key}'.*ranks \[{du.total_workers(backend) - 1}\]",
+    ):
         opt.update(mlp(), grads)
 
 
@@ -383,7 +454,9 @@ def test_a_tree_that_changes_on_every_rank_is_verified_again(backend):
     last = du.local_rank(backend) == du.total_workers(backend) - 1
     opt = du.DistributedOptimizer(backend, optim.SGD(0.1))
     mx.eval(opt.reduce_gradients({"a": mx.ones((3,))}))
-    mx.eval(opt.reduce_gradients({"a": mx.ones((3,)), "b": mx.ones((2,))}))  # the same change everywhere: fine
+    mx.eval(
+        opt.reduce_gradients({"a": mx.ones((3,)), "b": mx.ones((2,))})
+    )  # the same change everywhere: fine
     with pytest.raises(TreeMismatchError, match="'b'"):
         opt.reduce_gradients({"a": mx.ones((3,)), "b": mx.ones((4,) if last else (5,))})
 

@@ -30,12 +30,16 @@ def assert_same_state(a, b):
         assert mx.array_equal(a[key], b[key]).item(), key
 
 
-@given(shapes=st.lists(st.lists(st.integers(0, 5), max_size=3), min_size=1, max_size=6),
-       dtypes=st.lists(st.sampled_from([mx.float32, mx.bfloat16]), min_size=6, max_size=6),
-       world=st.integers(1, 7))  # fmt: skip
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 5), max_size=3), min_size=1, max_size=6),
+    dtypes=st.lists(st.sampled_from([mx.float32, mx.bfloat16]), min_size=6, max_size=6),
+    world=st.integers(1, 7),
+)
 def test_the_shards_of_the_ranks_are_the_flat_vector_disjoint_and_complete(shapes, dtypes, world):
-    leaves = [(f"p{i}", mx.arange(int(np.prod(s)), dtype=d).reshape(s) + 1000 * i)
-              for i, (s, d) in enumerate(zip(shapes, dtypes))]  # fmt: skip
+    leaves = [
+        (f"p{i}", mx.arange(int(np.prod(s)), dtype=d).reshape(s) + 1000 * i)
+        for i, (s, d) in enumerate(zip(shapes, dtypes))
+    ]
     arrays = dict(leaves)
     layouts = [Layout(leaves, world, r) for r in range(world)]
     assert layouts[0].fits(leaves) and not layouts[0].fits(leaves[:-1] + [(leaves[-1][0], mx.zeros((9, 9)))])
@@ -62,7 +66,9 @@ def test_sharded_state_trains_like_one_process(backend, name):
     assert opt.step.item() == 4
 
 
-@pytest.mark.parametrize("cls", sorted(ELEMENTWISE + (optim.AdamW,), key=lambda c: c.__name__), ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", sorted(ELEMENTWISE + (optim.AdamW,), key=lambda c: c.__name__), ids=lambda c: c.__name__
+)
 def test_every_elementwise_optimizer_matches_the_replicated_one_bit_for_bit(backend, cls):
     _, mine = reference_and_mine(backend, batch=2, steps=3)
     replicated = du.DistributedOptimizer(backend, cls(learning_rate=1e-2))
@@ -113,7 +119,10 @@ def test_frozen_parameters_are_neither_updated_nor_in_the_state(backend):
     got, expected, frozen = train_with_the_first_layer_frozen(backend, opt)
     assert_same_parameters(got, expected)
     assert np.array_equal(np.array(got.layers[0].weight), frozen)
-    assert set(opt.whole_state()["layers"][0]) == set() and set(opt.whole_state()["layers"][2]) == {"weight", "bias"}
+    assert set(opt.whole_state()["layers"][0]) == set() and set(opt.whole_state()["layers"][2]) == {
+        "weight",
+        "bias",
+    }
 
 
 def test_a_compiled_step_with_the_sharded_update_inside(backend):
@@ -155,10 +164,13 @@ def test_synchronize_keeps_each_ranks_part_and_gives_roots_learning_rate(backend
     assert all(np.array_equal(np.array(opt.state[k]["m"]), m) for k, m in mine.items())
 
 
-@pytest.mark.parametrize("optimizer, words", [
-    (lambda: optim.Adafactor(), "factors each matrix's second moment"),
-    (OPTIMIZERS["multi"], "picks an optimizer for each parameter by its name"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "optimizer, words",
+    [
+        (lambda: optim.Adafactor(), "factors each matrix's second moment"),
+        (OPTIMIZERS["multi"], "picks an optimizer for each parameter by its name"),
+    ],
+)
 def test_optimizers_that_are_not_elementwise_are_refused_with_the_reason(backend, optimizer, words):
     with pytest.raises(ValueError, match=words):
         sharded(backend, optimizer())

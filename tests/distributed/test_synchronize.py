@@ -32,11 +32,42 @@ class Tag:
     rank: int
 
 
-MX_DTYPES = [mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
-             mx.int64, mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64]  # fmt: skip
-NP_DTYPES = [np.dtype(t) for t in (np.bool_, np.int8, np.uint16, np.int32, np.uint64, np.float16, np.float32,
-             np.float64, np.complex64, np.complex128, np.longdouble, "<U3", "S5", "datetime64[ns]",
-             [("a", "<i2"), ("b", "<f8")])]  # fmt: skip
+MX_DTYPES = [
+    mx.bool_,
+    mx.uint8,
+    mx.uint16,
+    mx.uint32,
+    mx.uint64,
+    mx.int8,
+    mx.int16,
+    mx.int32,
+    mx.int64,
+    mx.float16,
+    mx.bfloat16,
+    mx.float32,
+    mx.float64,
+    mx.complex64,
+]
+NP_DTYPES = [
+    np.dtype(t)
+    for t in (
+        np.bool_,
+        np.int8,
+        np.uint16,
+        np.int32,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+        np.longdouble,
+        "<U3",
+        "S5",
+        "datetime64[ns]",
+        [("a", "<i2"), ("b", "<f8")],
+    )
+]
 KEYS = st.from_regex(r"[a-z][a-z0-9_]{0,5}", fullmatch=True)
 SCALARS = ["int", "float", "bool", "complex", "none", "str", "bytes", "object"]
 shapes = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)
@@ -54,7 +85,7 @@ tree_specs = st.recursive(
         st.tuples(st.just("dict"), st.dictionaries(KEYS, kids, max_size=4)),
     ),
     max_leaves=12,
-)  # fmt: skip
+)
 
 
 def random_bits(rng, dtype, shape):
@@ -81,10 +112,15 @@ def build(spec, rank, rng=None):
         return {k: build(s, rank, rng) for k, s in args[0].items()}
     value = rng.integers(0, 2**62)
     return {
-        "int": rank * 10**30 + int(value), "float": float(rng.choice([-0.0, np.nan, value / 7])),
-        "bool": rank % 2 == 0, "complex": complex(rank, -0.0), "none": None, "str": f"rank {rank}",
-        "bytes": bytes([rank]) * 3, "object": (Tag(rank), fractions.Fraction(rank, 3), frozenset({rank})),
-    }[kind]  # fmt: skip
+        "int": rank * 10**30 + int(value),
+        "float": float(rng.choice([-0.0, np.nan, value / 7])),
+        "bool": rank % 2 == 0,
+        "complex": complex(rank, -0.0),
+        "none": None,
+        "str": f"rank {rank}",
+        "bytes": bytes([rank]) * 3,
+        "object": (Tag(rank), fractions.Fraction(rank, 3), frozenset({rank})),
+    }[kind]
 
 
 def bits(a) -> np.ndarray:
@@ -138,11 +174,16 @@ def test_every_rank_gets_roots_tree_bit_for_bit(backend, spec, root):
 def test_special_floats_arrive_exactly(backend):
     rank = du.local_rank(backend)
     specials = np.array([0x7FC00123, 0xFFC00001, 0x80000000, 0x7F800000, 0x00000001, 0x7F800001], np.uint32)
-    tree = {"f32": mx.array(specials).view(mx.float32), "f64": np.array([-0.0, np.nan, -np.inf]),
-            "f16": mx.array(specials.astype(np.uint16)).view(mx.float16),
-            "bf16": mx.array((specials >> 16).astype(np.uint16)).view(mx.bfloat16)}  # fmt: skip
-    other = {k: np.full_like(v, rank) if isinstance(v, np.ndarray) else mx.full(v.shape, rank, v.dtype)
-             for k, v in tree.items()}  # fmt: skip
+    tree = {
+        "f32": mx.array(specials).view(mx.float32),
+        "f64": np.array([-0.0, np.nan, -np.inf]),
+        "f16": mx.array(specials.astype(np.uint16)).view(mx.float16),
+        "bf16": mx.array((specials >> 16).astype(np.uint16)).view(mx.bfloat16),
+    }
+    other = {
+        k: np.full_like(v, rank) if isinstance(v, np.ndarray) else mx.full(v.shape, rank, v.dtype)
+        for k, v in tree.items()
+    }
     mine = tree if rank == 0 else other
     out = du.synchronize(backend, mine)
     assert_identical(out, tree)
@@ -169,13 +210,19 @@ def test_non_array_leaves_and_containers_are_roots_whatever_they_are_elsewhere(b
 def test_a_tree_travels_in_one_broadcast_per_item_size(backend, monkeypatch):
     calls = collections.Counter()
     for name in ("bcast", "allgather", "allreduce"):
+
         def counted(*args, _name=name, _original=getattr(backend, name)):
             calls[_name] += 1
             return _original(*args)
 
         monkeypatch.setattr(backend, name, counted)
-    tree = {"layers": [{"w": mx.zeros((8, 8 + i)), "b": mx.zeros((8,), mx.bfloat16)} for i in range(50)],
-            "step": mx.array(3, mx.int64), "mask": np.ones(5, bool), "name": "x", "n": 3}  # fmt: skip
+    tree = {
+        "layers": [{"w": mx.zeros((8, 8 + i)), "b": mx.zeros((8,), mx.bfloat16)} for i in range(50)],
+        "step": mx.array(3, mx.int64),
+        "mask": np.ones(5, bool),
+        "name": "x",
+        "n": 3,
+    }
     du.synchronize(backend, tree)
     # one allgather to check the structure, two broadcasts for the pickle (size, bytes) and one
     # allgather for every rank to say it could unpickle it, one broadcast per item size (1, 2, 4, 8 bytes)
@@ -188,11 +235,15 @@ def test_a_tree_travels_in_one_broadcast_per_item_size(backend, monkeypatch):
 def test_arrays_travel_in_runs_of_bounded_size(backend, monkeypatch):
     monkeypatch.setattr(sys.modules["distributed_utils.synchronize"], "BROADCAST_BUCKET_BYTES", 100)
     calls = collections.Counter()
-    monkeypatch.setattr(backend, "bcast", lambda *a, _bcast=backend.bcast: calls.update(["bcast"]) or _bcast(*a))
+    monkeypatch.setattr(
+        backend, "bcast", lambda *a, _bcast=backend.bcast: calls.update(["bcast"]) or _bcast(*a)
+    )
     rank = du.local_rank(backend)
     tree = [mx.arange(n, dtype=mx.float32) + rank for n in (10, 10, 30, 5, 0, 40)] + [np.arange(7) * rank]
     out = du.synchronize(backend, tree)
-    assert_identical(out, [mx.arange(n, dtype=mx.float32) for n in (10, 10, 30, 5, 0, 40)] + [np.arange(7) * 0])
+    assert_identical(
+        out, [mx.arange(n, dtype=mx.float32) for n in (10, 10, 30, 5, 0, 40)] + [np.arange(7) * 0]
+    )
     # 4-byte runs [40 + 40], [120] (alone, over the limit), [20 + 0], [160]; 8-byte [56]; plus the pickle
     assert calls["bcast"] == (0 if du.total_workers(backend) == 1 else 2 + 5)
 
@@ -289,11 +340,15 @@ def adam_initialized_but_on_last(backend):
 MISMATCHES = {
     "shape": (lambda b: {"a": mx.zeros(3), "b": mx.zeros(last_differs(b, 4, 5))}, "'b'", "shape (5,)"),
     "dtype": (lambda b: [np.zeros(2, last_differs(b, np.float32, np.int32))], "'0'", "int32 array"),
-    "key": (lambda b: last_differs(b, {"w": mx.zeros(2)}, {"w": mx.zeros(2), "v": mx.zeros(1)}), "'v'", "no such key"),
+    "key": (
+        lambda b: last_differs(b, {"w": mx.zeros(2)}, {"w": mx.zeros(2), "v": mx.zeros(1)}),
+        "'v'",
+        "no such key",
+    ),
     "array vs int": (lambda b: {"w": last_differs(b, mx.zeros(2), 2)}, "'w'", "no such key"),
     "module": (lambda b: nn.Linear(3, last_differs(b, 4, 5)), "'weight'", "shape (5, 3)"),
     "optimizer": (adam_initialized_but_on_last, "'weight.m'", "opt.init(model.trainable_parameters())"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", MISMATCHES)

@@ -60,7 +60,9 @@ def train(model, opt, batches, weighted=True):
 
 
 @settings(max_examples=5)
-@given(seed=st.integers(0, 2**16), name=st.sampled_from(["sgd", "adam", "adamw-schedule"]), shard=st.booleans())
+@given(
+    seed=st.integers(0, 2**16), name=st.sampled_from(["sgd", "adam", "adamw-schedule"]), shard=st.booleans()
+)
 def test_weighted_ranks_train_like_one_process_on_the_union_of_their_tokens(backend, seed, name, shard):
     n, r = du.total_workers(backend), du.local_rank(backend)
     steps = token_batches(seed, 3, n)
@@ -77,7 +79,9 @@ def test_unweighted_averaging_of_per_rank_means_is_not_the_union(backend):
     steps = token_batches(3, 3, n)
     assert len({float(s[i][2].sum()) for s in steps for i in range(n)}) > 1  # the counts differ
     expected = train(mlp(), optim.SGD(0.5), [union(step) for step in steps], weighted=False)
-    got = train(mlp(), du.DistributedOptimizer(backend, optim.SGD(0.5)), [step[r] for step in steps], weighted=False)
+    got = train(
+        mlp(), du.DistributedOptimizer(backend, optim.SGD(0.5)), [step[r] for step in steps], weighted=False
+    )
     with pytest.raises(AssertionError):
         assert_same_parameters(got, expected)
 
@@ -101,7 +105,9 @@ def test_reduce_gradients_with_weights_is_the_weighted_mean(backend, compression
     grads = {"a": contribution(r, (33, 17)), "b": [contribution(r, (5,), seed=1)]}
     got = du.reduce_gradients(backend, grads, weight=weights[r], compression=compression)
     for key, shape, seed, value in (("a", (33, 17), 0, got["a"]), ("b", (5,), 1, got["b"][0])):
-        want = sum(w * np.array(contribution(i, shape, seed=seed)) for i, w in enumerate(weights)) / sum(weights)
+        want = sum(w * np.array(contribution(i, shape, seed=seed)) for i, w in enumerate(weights)) / sum(
+            weights
+        )
         tol = (1e-5, 1e-6) if compression is None else (2e-2, 2e-2)
         np.testing.assert_allclose(np.array(value), want, rtol=tol[0], atol=tol[1], err_msg=key)
 

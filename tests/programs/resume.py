@@ -80,8 +80,11 @@ data = du.DistributedDataContainer(backend, (X, Y, np.arange(len(X))))
 
 mx.random.seed(1)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
-opt = (du.DistributedOptimizer(backend, optim.Adam(1e-2), shard_optimizer_state=args.shard) if args.diloco is None
-       else du.DiLoCo(backend, optim.Adam(1e-2), sync_every=args.diloco))  # fmt: skip
+opt = (
+    du.DistributedOptimizer(backend, optim.Adam(1e-2), shard_optimizer_state=args.shard)
+    if args.diloco is None
+    else du.DiLoCo(backend, optim.Adam(1e-2), sync_every=args.diloco)
+)
 du.synchronize(backend, model)
 loss_and_grad = nn.value_and_grad(model, lambda m, x, y: ((m(x) - y) ** 2).mean())
 
@@ -106,13 +109,19 @@ for epoch in range(data.epoch, args.epochs):
             while not du.preempted(backend):
                 pass
         if args.preempt and du.preempted(backend):
-            du.save_checkpoint(backend, args.checkpoints, model=model, optimizer=opt, data=data, step=step, keep=2)
+            du.save_checkpoint(
+                backend, args.checkpoints, model=model, optimizer=opt, data=data, step=step, keep=2
+            )
             print(f"preempted at step {step}: saved", flush=True)
             sys.exit(0)
         if step % 5 == 0:
-            du.save_checkpoint(backend, args.checkpoints, model=model, optimizer=opt, data=data, step=step, keep=2)
+            du.save_checkpoint(
+                backend, args.checkpoints, model=model, optimizer=opt, data=data, step=step, keep=2
+            )
 
-print(f"parameters {hashlib.sha256(b''.join(np.array(p).tobytes() for _, p in tree_flatten(model.parameters()))).hexdigest()[:16]}")
+print(
+    f"parameters {hashlib.sha256(b''.join(np.array(p).tobytes() for _, p in tree_flatten(model.parameters()))).hexdigest()[:16]}"
+)
 if du.local_rank(backend) == 0:
     mx.save_safetensors(args.out, dict(tree_flatten(model.parameters())))
     print(f"done at step {step}; checkpoints kept: {sorted(os.listdir(args.checkpoints))}", flush=True)

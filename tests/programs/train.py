@@ -92,8 +92,11 @@ per_epoch = data.num_batches(BATCH)
 
 mx.random.seed(1)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
-opt = (du.DistributedOptimizer(backend, optim.Adam(1e-2)) if args.diloco is None
-       else du.DiLoCo(backend, optim.Adam(1e-2), sync_every=args.diloco))  # fmt: skip
+opt = (
+    du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    if args.diloco is None
+    else du.DiLoCo(backend, optim.Adam(1e-2), sync_every=args.diloco)
+)
 du.synchronize(backend, model)
 loss_and_grad = nn.value_and_grad(model, lambda m, x, y: ((m(x) - y) ** 2).mean())
 
@@ -124,5 +127,7 @@ while step < args.steps:
 
 if rank == 0:
     mx.save_safetensors(args.out, dict(tree_flatten(model.parameters())))
-digest = hashlib.sha256(b"".join(np.array(p).tobytes() for _, p in tree_flatten(model.parameters()))).hexdigest()
+digest = hashlib.sha256(
+    b"".join(np.array(p).tobytes() for _, p in tree_flatten(model.parameters()))
+).hexdigest()
 print(f"done at step {step} on {socket.gethostname()}, parameters {digest[:16]}", flush=True)
