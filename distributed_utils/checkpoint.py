@@ -1,12 +1,12 @@
 """Checkpoints that survive a job killed at any moment, and resume to the same trajectory.
 
-Collective: rank 0 writes one safetensors file atomically (with a CRC-32 per array) and every
-rank returns once it is complete, so ``path`` always holds the last complete checkpoint;
+Collective: rank 0 writes one safetensors file atomically (a CRC-32 per array, and one over the
+metadata and the header) and every rank returns once it is complete, so ``path`` always holds
+the last complete checkpoint;
 rank 0 reads it back and broadcasts it, so the other ranks (on other hosts) need not see it.
 With the same data order, training continues bit for bit as if it had never stopped.
 """
 
-import glob
 import io
 import json
 import os
@@ -21,10 +21,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .arrays import MX_DTYPES, bits, show, signature, to_mx
 from .collectives import allgather, bcast, check_backend, root_runs
-from .synchronize import has_state, synchronize
+from .state import of
+from .synchronize import synchronize
 from .tree import describe
 
-FORMAT = "distributed_utils.checkpoint/1"
+FORMAT = "distributed_utils.checkpoint/2"
+_FORMAT_1 = "distributed_utils.checkpoint/1"  # (read too: without the checksum of the metadata)
 #: While rank 0 writes, every rank hears from it this often (a collective each): a long save is
 #: not a stall, and the watchdog still catches a rank 0 that stopped.
 HEARTBEAT_SECONDS = 1.0
@@ -52,34 +54,29 @@ def save_checkpoint(
 
     ``model``: its parameters (``trainable_only``: the trainable ones). ``optimizer``: any
     optimizer, ``DistributedOptimizer`` or ``DiLoCo`` (its whole state, which loads into any
-    world size). ``data``: a JSON value or an object with ``state_dict()``/``load_state_dict()``.
-    ``step``, ``extra``: JSON values. Every rank's ``mx.random`` state is saved too. ``keep=k``:
-    ``path`` is a directory of ``step-{step}.safetensors`` files, of which the newest k stay.
+    world size; before the first update too). ``data``: a JSON value or an object with
+    ``state_dict()``/``load_state_dict()``. ``step``, ``extra``: JSON values. Every rank's
+    ``mx.random`` state is saved too. ``keep=k``: ``path`` is a directory of
+    ``step-{step}.safetensors`` files: the newest k by step stay, and a save's later steps
+    (a trajectory left when the job resumed from an older one) are set aside as ``.superseded``.
     """
     check_backend(backend)
     if keep is not None:
         if not (
             isinstance(keep, int) and keep >= 1 and isinstance(step, int) and step >= 0
-        ):  # (names sort by step)
+        ):  # (names: by step)
             raise ValueError(
-                f"save_checkpoint: keep= needs an int >= 1 and an int step= >= 0, got keep={keep!r}, "
-                f"step={step!r}"
+                f"save_checkpoint: keep= needs an int >= 1 and an int step= >= 0, got keep={keep!r}, step={step!r}"
             )
         folder, path = Path(path), Path(path) / f"step-{step:012d}.safetensors"
     arrays = {}
     if model is not None:
         arrays.update(_flat("model", model.trainable_parameters() if trainable_only else model.parameters()))
     if optimizer is not None:
-        arrays.update(_flat("optimizer", _whole_state(optimizer)))
-    meta = {
-        "format": FORMAT,
-        "step": step,
-        "extra": extra,
-        "world_size": backend.size,
-        "data": data.state_dict() if hasattr(data, "state_dict") else data,
-        "optimizer": None if optimizer is None else _optimizer_name(optimizer),
-        "trainable_only": trainable_only,
-    }
+        arrays.update(_flat("optimizer", of(optimizer).whole_state()))
+    meta = dict(format=FORMAT, step=step, extra=extra, world_size=backend.size, trainable_only=trainable_only)
+    meta["data"] = data.state_dict() if hasattr(data, "state_dict") else data
+    meta["optimizer"] = None if optimizer is None else of(optimizer).rule_name()
     try:
         meta_json = json.dumps(meta)
     except TypeError as e:
@@ -87,16 +84,19 @@ def save_checkpoint(
     arrays["rng"] = allgather(backend, mx.random.state[0][None])
 
     def prune():
-        if keep is not None:
-            for old in _checkpoints_in(folder)[:-keep]:
-                old.unlink()
+        for later in [p for p in _checkpoints_in(folder) if p.name > path.name]:
+            _set_aside(later, "superseded")  # else the next load would go back to it
+        for old in _checkpoints_in(folder)[:-keep]:
+            old.unlink()
 
-    _root_writes(backend, Path(path), arrays, meta_json, then=prune)
+    stale = ".step-*.safetensors.tmp-*" if keep is not None else f".{Path(path).name}.tmp-*"
+    _root_writes(backend, Path(path), arrays, meta_json, stale, then=None if keep is None else prune)
 
 
-def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None):
-    """Collective: rank 0 writes ``arrays`` to ``path`` atomically and runs ``then()``, sending
-    every rank a heartbeat (1) every HEARTBEAT_SECONDS or so, then 0 (else CheckpointError)."""
+def _root_writes(backend, path: Path, arrays: dict, meta_json: str, stale: str, then=None):
+    """Collective: rank 0 writes ``arrays`` to ``path`` atomically (``_write_atomically``) and runs
+    ``then()``, sending every rank a heartbeat (1) every HEARTBEAT_SECONDS or so, then 0 (else
+    CheckpointError)."""
     if backend.rank != 0:
         while bcast(backend, np.array([0]), 0)[0]:
             pass
@@ -110,7 +110,7 @@ def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None):
 
     def write():
         try:
-            _write_atomically(path, arrays, meta_json, heartbeat)
+            _write_atomically(path, arrays, meta_json, heartbeat, stale)
         finally:
             bcast(backend, np.array([0]), 0)
         if then is not None:
@@ -120,11 +120,12 @@ def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None):
 
 
 def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
-    """Collective: rank 0 reads ``path`` (the newest intact one in a ``keep`` directory),
-    verifies its checksums and broadcasts it: ``model``'s parameters (in place), ``optimizer``'s
-    state, ``data``'s position, each rank's random state (at the world size saved). Returns
-    ``{"step", "data", "extra", "world_size"}``, or None when there is no checkpoint; raises
-    CheckpointError on every rank for a damaged file or one that does not fit.
+    """Collective: rank 0 reads ``path`` (in a ``keep`` directory, the newest intact one: newer
+    damaged ones are set aside as ``.damaged``), verifies its checksums and broadcasts it:
+    ``model``'s parameters (in place), ``optimizer``'s state, ``data``'s position, each rank's
+    random state (at the world size saved). Returns ``{"step", "data", "extra", "world_size"}``,
+    or None when there is no checkpoint; raises CheckpointError on every rank for a damaged file
+    or one that does not fit.
     """
     check_backend(backend)
     read = {}  # rank 0's arrays
@@ -136,11 +137,6 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     path, meta, saved = root_runs(backend, find_and_read, 0, CheckpointError, f"read {path}")
     if meta is None:
         return None
-    if optimizer is not None and meta["optimizer"] != _optimizer_name(optimizer):
-        raise CheckpointError(
-            f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a "
-            f"{_optimizer_name(optimizer)}"
-        )
     if model is not None:
         _check_fits(
             path,
@@ -148,31 +144,27 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
             saved,
             model.trainable_parameters() if meta.get("trainable_only") else model.parameters(),
         )
-    if optimizer is not None:  # an initialized one: its state's shapes are known
-        _check_fits(path, "optimizer", saved, _whole_state(optimizer) if has_state(optimizer) else None)
+    state = None if optimizer is None else of(optimizer)
+    if state is not None and meta["optimizer"] != state.rule_name():
+        raise CheckpointError(
+            f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a {state.rule_name()}"
+        )
+    if state is not None:  # an initialized one: its state's shapes are known
+        _check_fits(path, "optimizer", saved, state.whole_state() if state.initialized() else None)
     if backend.rank != 0:
         read["arrays"] = {k: mx.zeros(shape, MX_DTYPES[dtype]) for k, (dtype, shape) in saved.items()}
     arrays = synchronize(backend, read["arrays"], root=0)
     mx.eval(arrays)
     if model is not None:
         model.update(tree_unflatten(_section(arrays, "model")))
-    if hasattr(
-        optimizer, "load_whole_state"
-    ):  # DistributedOptimizer, DiLoCo (which sets model's local parameters)
-        optimizer.load_whole_state(tree_unflatten(_section(arrays, "optimizer")), model)
-    elif optimizer is not None:
-        optimizer.state = tree_unflatten(_section(arrays, "optimizer"))
+    if state is not None:  # (DiLoCo sets the model's parameters to this rank's local ones)
+        state.load_whole_state(tree_unflatten(_section(arrays, "optimizer")), model)
     if meta["world_size"] == backend.size:
         hi, lo = arrays["rng"][backend.rank].tolist()
         mx.random.seed((hi << 32) | lo)  # seed(s) sets the key to [s >> 32, s & 0xffffffff]
     if data is not None and hasattr(data, "load_state_dict"):
         data.load_state_dict(meta["data"])
-    return {
-        "step": meta["step"],
-        "data": meta["data"],
-        "extra": meta["extra"],
-        "world_size": meta["world_size"],
-    }
+    return {key: meta[key] for key in ("step", "data", "extra", "world_size")}
 
 
 # --- the file -------------------------------------------------------------------------------
@@ -196,13 +188,14 @@ def _section(arrays, section) -> list:
     return [(k.removeprefix(section + "."), v) for k, v in arrays.items() if k.startswith(section + ".")]
 
 
-def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat):
+def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat, stale: str):
     """Write ``arrays`` to ``path`` with MLX's safetensors writer (float64 as its bits), each array's
-    CRC-32 in the metadata: to a temporary file (removed on failure), fsync, rename, fsync of the
-    directory. ``heartbeat()`` runs after each checksum and each piece written."""
+    CRC-32 in the metadata, and a CRC-32 of the metadata and the header (``_header_crc``): to a
+    temporary file (removed on failure; those of killed saves matching ``stale``, before), fsync,
+    rename, fsync of the directory. ``heartbeat()`` runs after each checksum and each piece written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in glob.glob(str(path.parent / f".{path.name}.tmp-*")):  # left by a killed job
-        os.remove(stale)
+    for old in path.parent.glob(stale):  # left by a killed job
+        old.unlink(missing_ok=True)
     doubles = [key for key, a in arrays.items() if a.dtype == mx.float64]
     arrays = {key: a.view(mx.uint64) if key in doubles else a for key, a in arrays.items()}
     mx.eval(list(arrays.values()))
@@ -210,12 +203,9 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat):
     for key, a in arrays.items():
         crcs[key] = zlib.crc32(np.asarray(bits(a)))
         heartbeat()
-    metadata = {
-        "distributed_utils": meta_json,
-        "crc32": json.dumps(crcs),
-        "float64": json.dumps(doubles),
-        "keys": json.dumps(list(arrays)),
-    }  # (MLX's header sorts them; trees come back in their order)
+    metadata = {"distributed_utils": meta_json, "crc32": json.dumps(crcs), "float64": json.dumps(doubles)}
+    metadata["keys"] = json.dumps(list(arrays))  # (MLX's header sorts them; trees come back in their order)
+    metadata["header_crc32"] = _header_crc(metadata, arrays)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -231,6 +221,15 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat):
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _header_crc(metadata: dict, arrays: dict) -> str:
+    """A CRC-32 of everything a load trusts besides the arrays' bytes: the metadata (step, data
+    position, extra, world size, key order, dtype lists, the checksums) and each array's name,
+    dtype and shape."""
+    parts = [metadata.get(k, "") for k in ("distributed_utils", "crc32", "float64", "keys")]
+    parts += [f"{key} {a.dtype} {a.shape}" for key, a in sorted(arrays.items())]
+    return str(zlib.crc32("\n".join(parts).encode()))
 
 
 class _Pieces(io.RawIOBase):
@@ -256,29 +255,37 @@ class _Pieces(io.RawIOBase):
 
 
 def _checkpoints_in(folder: Path) -> list:
-    """The checkpoints ``save_checkpoint(keep=)`` wrote to ``folder``, oldest first."""
+    """The checkpoints ``save_checkpoint(keep=)`` wrote to ``folder``, by step (oldest first)."""
     return sorted(folder.glob("step-*.safetensors"))
+
+
+def _set_aside(path: Path, why: str):
+    """Rename ``path`` to ``path.why``: no longer a checkpoint of the directory, still on disk."""
+    path.replace(path.with_name(f"{path.name}.{why}"))
+    warnings.warn(f"set aside {path} as {path.name}.{why}")
 
 
 def _find_and_read(path: Path):
     """``(path, arrays, meta)`` of the checkpoint at ``path`` (None, None: there is none), or of
-    the newest intact one in the directory ``path`` (warning of those skipped)."""
+    the newest intact one in the directory ``path`` (the newer damaged ones set aside)."""
     if not path.is_dir():
         return path, *_verified(path)
-    errors = []
+    damaged = {}
     for candidate in reversed(_checkpoints_in(path)):
         try:
             arrays, meta = _verified(candidate)
         except CheckpointError as e:
-            errors.append(str(e))
+            damaged[candidate] = str(e)
             continue
-        if errors:
+        if damaged:
             warnings.warn(
-                f"skipped {len(errors)} newer damaged checkpoints, loading {candidate}: {'; '.join(errors)}"
+                f"skipped {len(damaged)} newer damaged checkpoints, loading {candidate}: {'; '.join(damaged.values())}"
             )
+        for older in damaged:  # (only once an intact one is found: else nothing is moved)
+            _set_aside(older, "damaged")
         return candidate, arrays, meta
-    if errors:
-        raise CheckpointError(f"no intact checkpoint in {path}: {'; '.join(errors)}")
+    if damaged:
+        raise CheckpointError(f"no intact checkpoint in {path}: {'; '.join(damaged.values())}")
     return path, None, None
 
 
@@ -291,6 +298,9 @@ def _verified(path: Path):
         arrays, saved = mx.load(str(path), format="safetensors", return_metadata=True)
     except (RuntimeError, ValueError) as e:
         raise CheckpointError(f"{path} is incomplete or corrupt: {e}") from None
+    damaged = CheckpointError(f"{path} is damaged: its metadata or header do not match their checksum")
+    if "header_crc32" in saved and saved["header_crc32"] != _header_crc(saved, arrays):
+        raise damaged
     try:
         meta = json.loads(saved["distributed_utils"])
         crcs = json.loads(saved["crc32"]) if "crc32" in saved else None
@@ -298,16 +308,17 @@ def _verified(path: Path):
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path} is not a distributed_utils checkpoint (no metadata)") from None
     missing = {"format", "step", "extra", "world_size", "data", "optimizer"} - set(meta)
-    if meta.get("format") != FORMAT or missing:
-        raise CheckpointError(
-            f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r}, missing {sorted(missing)})"
-        )
-    if crcs is None:
-        warnings.warn(f"{path} was written without checksums (by an older version): loaded unverified")
-    else:
-        for key, a in arrays.items():
-            if zlib.crc32(np.asarray(bits(a))) != crcs.get(key):
-                raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
+    if meta.get("format") not in (FORMAT, _FORMAT_1) or missing:
+        why = f"format {meta.get('format')!r}, missing {sorted(missing)}"
+        raise CheckpointError(f"{path} is not a {FORMAT} checkpoint ({why})")
+    if meta["format"] == FORMAT and "header_crc32" not in saved:
+        raise damaged
+    if crcs is None or meta["format"] == _FORMAT_1:
+        unverified = "checksums" if crcs is None else "a checksum of its metadata"
+        warnings.warn(f"{path} was written without {unverified} (by an older version): loaded unverified")
+    for key, a in arrays.items():
+        if crcs is not None and zlib.crc32(np.asarray(bits(a))) != crcs.get(key):
+            raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
     for key in json.loads(saved.get("float64", "[]")):
         arrays[key] = arrays[key].view(mx.float64)
     return arrays, meta
@@ -342,14 +353,6 @@ def save_adapters(backend, path, model, config=None):
             (path.parent / "adapter_config.json").write_text(json.dumps(config, indent=4))
 
     arrays = dict(tree_flatten(model.trainable_parameters()))
-    _root_writes(backend, path, arrays, json.dumps({"format": "adapters"}), then=write_config)
-
-
-def _whole_state(optimizer) -> dict:
-    """The optimizer's state, per parameter (collective for a sharded DistributedOptimizer and
-    for DiLoCo, whose ranks' states differ)."""
-    return optimizer.whole_state() if hasattr(optimizer, "whole_state") else optimizer.state
-
-
-def _optimizer_name(optimizer) -> str:
-    return type(getattr(optimizer, "optimizer", optimizer)).__name__  # through DistributedOptimizer
+    _root_writes(
+        backend, path, arrays, json.dumps({"format": "adapters"}), f".{path.name}.tmp-*", write_config
+    )

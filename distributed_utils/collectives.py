@@ -4,6 +4,7 @@ Every function here that takes a backend is collective: all ranks call it, in th
 with arrays of the same shape and dtype. Python objects travel pickled, as bytes.
 """
 
+import hashlib
 import operator
 import pickle
 
@@ -114,40 +115,51 @@ def allreduce_arrays(backend, arrays: list, op: str = "sum", scale: float = 1.0,
     return _reduce(backend, "allreduce_arrays", arrays, op, scale, in_place)
 
 
-def reduce_scatter_sum(backend, x):
-    """Collective: this rank's part of the sum of every rank's 1-d ``x`` (``AbstractBackend.reduce_scatter``)."""
-    return _door(backend, "reduce_scatter", x, backend.reduce_scatter, "sum")
+def reduce_scatter_sum(backend, x, scale: float = 1.0):
+    """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``
+    (``AbstractBackend.reduce_scatter``)."""
+    details = ("sum",) if scale == 1.0 else ("sum", f"scale={scale:.4g}")
+    return _door(backend, "reduce_scatter", x, lambda a: backend.reduce_scatter(a, scale), *details)
+
+
+def average_factor(backend) -> float:
+    """What "avg" multiplies a sum by: 1 / the world size (decided here, once)."""
+    return 1.0 / backend.size
 
 
 def _reduce(backend, what, arrays, op, scale=1.0, in_place=False):
     """The one path of every reduction; ``arrays``: a list, or one array (shown as itself)."""
     details = (op,) if scale == 1.0 else (op, f"scale={scale:.4g}")
-    if op == "avg":  # averaging is decided here, once: a sum scaled by 1 / world size
-        op, scale = "sum", scale / backend.size
+    if op == "avg":
+        op, scale = "sum", scale * average_factor(backend)
     if isinstance(arrays, list):
         return _door(backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), *details)
     return _door(backend, what, arrays, lambda a: backend.allreduce([a], op, scale, in_place)[0], *details)
 
 
-def start_sum(backend, arrays: list, scale: float = 1.0):
+def start_sum(backend, arrays: list, scale: float = 1.0) -> list:
     """Collective: start the sum across ranks of each of ``arrays`` (handed over) times ``scale``;
-    returns the function that waits for them (watched). The MLX backends sum on a stream of
-    their own while this rank computes; any other collective first waits for it."""
+    ``finish`` waits for the results. The MLX backends sum on a stream of their own while this
+    rank computes; any other collective first waits for it."""
+    global _in_flight
     details = ("sum",) if scale == 1.0 else ("sum", f"scale={scale:.4g}")
-    out = _door(backend, "start_sum", arrays, lambda a: backend.start_sum(a, scale), *details, wait=False)
-
-    def finish():
-        if finish in _started:
-            _started.remove(finish)
-            with watchdog.watch("the end of a start_sum collective started before"):
-                evaluate(out)
-        return out
-
-    _started.append(finish)
-    return finish
+    _in_flight = _door(
+        backend, "start_sum", arrays, lambda a: backend.start_sum(a, scale), *details, wait=False
+    )
+    return _in_flight
 
 
-_started = []  # start_sum's collectives not yet waited for (at most one: each waits for the last)
+def finish(arrays: list) -> list:
+    """``arrays``, evaluated: if they are the results of the ``start_sum`` in flight, watched."""
+    global _in_flight
+    if arrays is _in_flight:
+        _in_flight = None
+        with watchdog.watch("the end of a start_sum collective started before"):
+            evaluate(arrays)
+    return arrays
+
+
+_in_flight = None  # the results of the start_sum not yet waited for (the transport carries one at a time)
 
 
 def _door(backend, what, arrays, primitive, *details, wait=True):
@@ -155,9 +167,10 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     evaluated before the clock starts, its result inside (unless ``wait=False``), after the
     debug check; a transport's error names the rank and the collective. While MLX traces a
     function, nothing is evaluated or checked."""
-    if _started:  # a start_sum not yet waited for: the transport carries one collective at a time
-        for finish in list(_started):
-            finish()
+    if (
+        _in_flight is not None
+    ):  # a start_sum not yet waited for: the transport carries one collective at a time
+        finish(_in_flight)
     tracing = not (isinstance(arrays, np.ndarray) or evaluate(arrays))  # (numpy needs no evaluation)
     with watchdog.Collective(backend.rank, what, details, arrays) as call:
         if call is not None and call.debug and backend.size > 1 and not tracing:  # (its gathers: nested)
@@ -191,7 +204,8 @@ def _bcast_object(backend, obj, root):
 
     def run(_):
         payload, error = _pickled(obj) if backend.rank == root else (np.empty(0, np.uint8), None)
-        size = bcast(backend, np.array([payload.size]), root)
+        announced = bcast(backend, np.array([_OBJECT_TAG, payload.size]), root)
+        size = _announced(backend, announced, "bcast_object", [root])
         payload = bcast(backend, payload if backend.rank == root else np.empty(int(size[0]), np.uint8), root)
         received, error = (obj, error) if backend.rank == root else _unpickled(payload)
         return _raise_for_failures(backend, received, error, f"the object rank {root} broadcasts")
@@ -204,7 +218,9 @@ def _allgather_object(backend, obj) -> list:
 
     def run(_):
         payload, error = _pickled(obj)
-        sizes = allgather(backend, np.array([payload.size]))
+        sizes = _announced(
+            backend, allgather(backend, np.array([_OBJECT_TAG, payload.size])), "allgather_object"
+        )
         padded = np.zeros((1, int(sizes.max())), np.uint8)
         padded[0, : payload.size] = payload
         rows = allgather(backend, padded)
@@ -213,6 +229,23 @@ def _allgather_object(backend, obj) -> list:
         return _raise_for_failures(backend, [r for r, _ in received], error, "the objects ranks gather")
 
     return _door(backend, "allgather_object", None, run)
+
+
+_OBJECT_TAG = 0x64755F6F626A  # "du_obj": announces an object's size, so that a mismatch is seen
+
+
+def _announced(backend, announced: np.ndarray, what: str, ranks=None) -> np.ndarray:
+    """The sizes ``ranks`` (default: all) announced (``[tag, size]`` each), else CollectiveMismatchError:
+    a rank that sent something else is in another collective (one more or fewer than this rank)."""
+    pairs = announced.reshape(-1, 2)
+    ranks = range(len(pairs)) if ranks is None else ranks
+    other = [r for r, (tag, size) in zip(ranks, pairs) if tag != _OBJECT_TAG or not 0 <= size < 2**40]
+    if other:
+        raise CollectiveMismatchError(
+            f"rank {backend.rank}: collective {what}: ranks {other} sent no object size: they are in another "
+            "collective (a rank made one collective more or fewer than the others; DU_DEBUG=1 names it)"
+        )
+    return pairs[:, 1]
 
 
 def _pickled(obj):
@@ -255,17 +288,20 @@ def root_runs(backend, fn, root, error_type, doing: str):
     return result
 
 
-def check_same(backend, who: str, values: dict, error=ValueError):
-    """Collective: ``error`` on every rank, naming each rank's value, unless every rank passes
-    the same ``values`` (by repr): settings that decide which collectives a rank makes."""
-    everyone = _allgather_object(backend, {name: repr(v) for name, v in values.items()})
-    for name in values:
-        differ = [r for r, theirs in enumerate(everyone) if theirs[name] != everyone[0][name]]
-        if differ:
-            shown = ", ".join(f"rank {r}: {theirs[name]}" for r, theirs in enumerate(everyone))
-            raise error(
-                f"{who}: every rank needs the same {name}; ranks {differ} differ from rank 0 ({shown})"
-            )
+def check_same(backend, who: str, values: dict, error=ValueError, explain=None):
+    """Collective: unless every rank passes the same ``values`` (by repr), ``error`` on every
+    rank naming the first that differs and each rank's value (or ``explain(every rank's
+    values)``). One allgather of a 32-byte digest; the values travel only on a mismatch."""
+    digest = np.frombuffer(hashlib.sha256(repr(values).encode()).digest(), np.uint8)
+    if (allgather(backend, digest).reshape(backend.size, -1) == digest).all():
+        return
+    everyone = _allgather_object(backend, values)
+    if explain is not None:
+        raise error(explain(everyone))
+    name = next(name for name in values if len({repr(theirs[name]) for theirs in everyone}) > 1)
+    differ = [r for r, theirs in enumerate(everyone) if repr(theirs[name]) != repr(everyone[0][name])]
+    shown = ", ".join(f"rank {r}: {theirs[name]!r}" for r, theirs in enumerate(everyone))
+    raise error(f"{who}: every rank needs the same {name}; ranks {differ} differ from rank 0 ({shown})")
 
 
 # --- arguments -------------------------------------------------------------------------

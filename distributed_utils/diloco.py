@@ -10,14 +10,14 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .collectives import allgather, check_backend, check_same
-from .optimizer import check_same_parameters
-from .reduction import Reduction, as_weight
-from .sharded import at_key
+from .collectives import allgather, check_backend
+from .optimizer import check_start
+from .reduction import Pending, Reduction, as_weight
+from .state import OptimizerState, at_key, check_plain, of, scalars
 from .tree import floating_leaves
 
 
-class DiLoCo(optim.Optimizer):
+class DiLoCo(OptimizerState, optim.Optimizer):
     """Wraps ``inner_optimizer`` (any ``mlx.optimizers.Optimizer``, local to each rank) so that
     every ``sync_every`` steps the ranks agree on the parameters through ``outer_optimizer``.
 
@@ -52,14 +52,9 @@ class DiLoCo(optim.Optimizer):
         fragment_update_alpha=0.0,
     ):
         check_backend(backend)
-        for name, opt in (("inner_optimizer", inner_optimizer), ("outer_optimizer", outer_optimizer)):
-            if isinstance(getattr(opt, "reduction", None), Reduction):  # a DistributedOptimizer or DiLoCo
-                raise TypeError(
-                    f"DiLoCo: {name} is already distributed ({type(opt).__name__}); pass the plain "
-                    "mlx.optimizers optimizer: DiLoCo does the communication"
-                )
-            if not (opt is None and name == "outer_optimizer") and not isinstance(opt, optim.Optimizer):
-                raise TypeError(f"DiLoCo: {name} must be an mlx.optimizers.Optimizer, got {opt!r}")
+        check_plain(inner_optimizer, "DiLoCo", "inner_optimizer")
+        if outer_optimizer is not None:
+            check_plain(outer_optimizer, "DiLoCo", "outer_optimizer")
         for name, value, least in (
             ("sync_every", sync_every, 1),
             ("fragments", fragments, 1),
@@ -88,7 +83,7 @@ class DiLoCo(optim.Optimizer):
         self.sync_every, self.fragments = sync_every, fragments
         self.delay, self.alpha = fragment_sync_delay, float(fragment_update_alpha)
         self.reduction = Reduction(backend, "avg", compression, bucket_bytes)
-        self._started = {}  # fragment -> (its keys, the function that waits for its average), in flight
+        self._started = {}  # fragment -> the Pending reduction of its pseudo-gradient, in flight
         self._global = None  # {flat key: the global parameters}, once initialized
         self._steps = 0  # inner steps taken
         self._weights = None  # per fragment: this rank's weight since its last sync (None: unweighted)
@@ -98,35 +93,41 @@ class DiLoCo(optim.Optimizer):
 
     @property
     def state(self) -> dict:
-        """This rank's inner and outer states, global parameters and step count (``{}`` before ``init``)."""
-        if self._global is None:
-            return {}
-        return {
-            "inner": self.inner_optimizer.state,
-            "outer": self.outer_optimizer.state,
-            "global": self._global,
-            "steps": mx.array(self._steps, mx.int64),
-        }
+        """This rank's inner and outer states and step count, and once initialized the global parameters."""
+        state = {"inner": self.inner_optimizer.state, "outer": self.outer_optimizer.state}
+        state["steps"] = mx.array(self._steps, mx.int64)
+        return state if self._global is None else {**state, "global": self._global}
 
     @state.setter
     def state(self, state: dict):
-        self._global = dict(tree_flatten(state["global"]))  # flat keys again, however it was nested
-        self.inner_optimizer.state = state["inner"]
-        outer = state["outer"]
-        self.outer_optimizer.state = {
-            **{k: v for k, v in outer.items() if not isinstance(v, (dict, list))},
-            **{key: at_key(outer, key) for key in self._global},
-        }
+        self.inner_optimizer.state, outer = state["inner"], state["outer"]
         self._steps = int(state["steps"].item())
-        self._fragment_keys = _fragments(list(self._global.items()), self.fragments)
+        self._global = None if "global" not in state else dict(tree_flatten(state["global"]))  # (flat keys)
+        if self._global is not None:  # (the outer state is keyed by flat keys too)
+            outer = {**scalars(outer), **{key: at_key(outer, key) for key in self._global}}
+            self._fragment_keys = _fragments(list(self._global.items()), self.fragments)
+        self.outer_optimizer.state = outer
 
     @property
     def step(self) -> mx.array:
         return mx.array(self._steps, mx.int64)
 
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
+    learning_rate = property(
+        lambda self: self.inner_optimizer.learning_rate,
+        lambda self, v: setattr(self.inner_optimizer, "learning_rate", v),
+    )
+
+    def rule_name(self) -> str:
+        return "DiLoCo"
+
+    def initialized(self) -> bool:
+        return self._global is not None
+
+    def shared_state(self) -> dict:
+        return self.state
+
+    def set_shared_state(self, state: dict):
+        self.state = state
 
     def init(self, parameters):
         """Local: start from ``parameters`` (those with gradients); the first ``update`` calls it."""
@@ -147,23 +148,21 @@ class DiLoCo(optim.Optimizer):
         """Collective: what a checkpoint holds: ``state``, the average of a fragment in flight,
         and every rank's local parameters, inner state and weights, stacked in rank order."""
         if self._global is None:
-            return {}
+            return self.state
         started = {}  # the average of a fragment in flight (fragment_sync_delay), waited for now
-        for f, (keys, averaged) in list(self._started.items()):
-            done = averaged()
-            self._started[f] = (keys, lambda done=done: done)
-            started.update(zip(keys, done))
+        for pending in self._started.values():
+            started.update(pending.wait())
         weights = mx.zeros((0,)) if self._weights is None else mx.stack(self._weights)
         mine = {"inner": self.inner_optimizer.state, "local": self._local, "weights": weights}
-        return {
-            **self.state,
-            "started": started,
-            "ranks": tree_map(lambda a: allgather(self.backend, a[None]), mine),
-        }
+        ranks = tree_map(lambda a: allgather(self.backend, a[None]), mine)
+        return {**self.state, "started": started, "ranks": ranks}
 
     def load_whole_state(self, state: dict, model=None):
         """Set the state from ``whole_state()``'s form, and ``model``'s parameters to this rank's
         local ones: saved rank r's, or at another world size r % N's."""
+        if "ranks" not in state:  # saved before the first update
+            self.state = state
+            return
         ranks = state["ranks"]
         row = self.backend.rank % int(ranks["weights"].shape[0])
         self.state = {**state, "inner": tree_map(lambda a: a[row], ranks["inner"])}
@@ -171,7 +170,7 @@ class DiLoCo(optim.Optimizer):
         self._local = {k: v[row] for k, v in tree_flatten(ranks["local"])}
         started = dict(tree_flatten(state.get("started", {})))
         self._started = {
-            f: (keys, lambda done=[started[k] for k in keys]: done)
+            f: Pending({k: started[k] for k in keys})
             for f, keys in enumerate(self._fragment_keys)
             if keys[0] in started
         }
@@ -191,18 +190,12 @@ class DiLoCo(optim.Optimizer):
     def _step(self, gradients, parameters, weight):
         if self._global is None:
             if self.backend.size > 1:
-                check_same_parameters(self.backend, parameters, "DiLoCo")
-                check_same(
-                    self.backend,
-                    "DiLoCo",
-                    dict(
-                        sync_every=self.sync_every,
-                        fragments=self.fragments,
-                        compression=self.reduction.compression,
-                        fragment_sync_delay=self.delay,
-                        fragment_update_alpha=self.alpha,
-                    ),
+                settings = dict(
+                    sync_every=self.sync_every, fragments=self.fragments, fragment_sync_delay=self.delay
                 )
+                settings.update(fragment_update_alpha=self.alpha, inner=of(self.inner_optimizer).rule_name())
+                settings.update(outer=of(self.outer_optimizer).rule_name(), **self.reduction.settings())
+                check_start(self.backend, "DiLoCo", parameters, settings)
             self.init(tree_map(lambda _, p: p, gradients, parameters))
         if self._steps == 0 and weight is not None:
             self._weights = [mx.array(0.0)] * self.fragments
@@ -225,10 +218,8 @@ class DiLoCo(optim.Optimizer):
         """Collective: start averaging fragment ``f``'s pseudo-gradient (global minus local)."""
         pseudo = {k: self._global[k] - local[k] for k in keys}
         weight = None if self._weights is None else self._weights[f]
-        leaves = self.reduction.leaves(pseudo, weight, "DiLoCo's sync")
-        self._started[f] = (
-            [k for k, _ in leaves],
-            self.reduction.start([g for _, g in leaves], 1.0, weight, self.delay > 0),
+        self._started[f] = self.reduction.reduce(
+            pseudo, weight=weight, start=self.delay > 0, what="DiLoCo's sync"
         )
         if self._weights is not None:
             self._weights[f] = mx.array(0.0)
@@ -236,10 +227,8 @@ class DiLoCo(optim.Optimizer):
     def _sync(self, f, local) -> dict:
         """Collective: this rank's parameters of fragment ``f`` after its outer step (the new global
         ones, or mixed with its own: ``fragment_update_alpha``)."""
-        keys, averaged = self._started.pop(f)
-        updated = self.outer_optimizer.apply_gradients(
-            dict(zip(keys, averaged())), {k: self._global[k] for k in keys}
-        )
+        averaged = self._started.pop(f).wait()
+        updated = self.outer_optimizer.apply_gradients(averaged, {k: self._global[k] for k in averaged})
         mx.eval(updated, self.outer_optimizer.state)
         self._global.update(updated)
         return updated if not self.alpha else {k: g + self.alpha * (local[k] - g) for k, g in updated.items()}

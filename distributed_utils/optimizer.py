@@ -1,6 +1,5 @@
 """``DistributedOptimizer``: a drop-in for any MLX optimizer that reduces the gradients across
-ranks first (Lux's and Horovod's ``DistributedOptimizer``): accumulate, ``reduce_gradients``,
-apply."""
+ranks first (Lux's and Horovod's ``DistributedOptimizer``): accumulate, reduce, apply."""
 
 import hashlib
 
@@ -11,20 +10,21 @@ from mlx.utils import tree_flatten, tree_map
 
 from .arrays import bits, evaluate
 from .collectives import check_backend, check_same
-from .reduction import Reduction, as_weight, reduce_gradients
+from .reduction import Reduction, as_weight, inverse
 from .sharded import ShardedState
+from .state import OptimizerState, check_plain, of, scalars
 
 
-class DistributedOptimizer(optim.Optimizer):
+class DistributedOptimizer(OptimizerState, optim.Optimizer):
     """Wraps ``optimizer`` so that every update first reduces the gradients across all ranks
     (``reduce_gradients``). A drop-in: ``update``, ``apply_gradients``, ``init``, ``state`` (the
-    wrapped one's, which ``du.synchronize`` and ``mx.compile(..., inputs=state)`` see) and every
-    other attribute read through to ``optimizer``.
+    wrapped one's, which ``mx.compile(..., inputs=state)`` sees) and every other attribute
+    read through to ``optimizer``.
 
     Collective: every rank calls ``update`` (or ``apply_gradients``, ``reduce_gradients``) as
     often, in the same order, with trees of the same keys, shapes and dtypes (checked, else
     ``du.TreeMismatchError`` on every rank); the first update checks that the ranks start from
-    the same parameters (else ValueError).
+    the same parameters, with the same settings (else ValueError on every rank).
 
     Args:
         optimizer: any ``mlx.optimizers.Optimizer``, ``MultiOptimizer`` and schedules included.
@@ -49,19 +49,15 @@ class DistributedOptimizer(optim.Optimizer):
         shard_optimizer_state=False,
     ):
         check_backend(backend)
-        if not isinstance(optimizer, optim.Optimizer):
-            raise TypeError(f"expected an mlx.optimizers.Optimizer, got {optimizer!r}")
-        if isinstance(getattr(optimizer, "reduction", None), Reduction):  # a DistributedOptimizer or DiLoCo
-            raise TypeError(
-                f"DistributedOptimizer: the optimizer is already distributed ({type(optimizer).__name__}); "
-                "wrap the plain mlx.optimizers optimizer once"
-            )
-        if not (isinstance(accumulate_steps, int) and accumulate_steps >= 1):
+        check_plain(optimizer, "DistributedOptimizer")
+        if isinstance(accumulate_steps, bool) or not (
+            isinstance(accumulate_steps, int) and accumulate_steps >= 1
+        ):
             raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
         self.backend, self.optimizer, self.accumulate_steps = backend, optimizer, accumulate_steps
         self.reduction = Reduction(backend, op, compression, bucket_bytes)
         self.shards = ShardedState(backend, optimizer, self.reduction) if shard_optimizer_state else None
-        self._parameters_checked = backend.size == 1
+        self._checked = backend.size == 1  # the ranks' parameters and settings, at the first update
         self._sum, self._weight, self._calls = None, None, 0  # this accumulation cycle's, on this rank
 
     def __getattr__(self, name):  # only for names not found on the wrapper itself
@@ -78,21 +74,35 @@ class DistributedOptimizer(optim.Optimizer):
 
     def init(self, parameters):
         """The wrapped optimizer's ``init`` (of this rank's share when sharded); local."""
-        if self.shards is not None:
-            self.shards.init(parameters)
+        (self.optimizer if self.shards is None else self.shards).init(parameters)
+
+    # --- the state (state.OptimizerState) ---------------------------------------------------
+
+    def rule_name(self) -> str:
+        return of(self.optimizer).rule_name()
+
+    def initialized(self) -> bool:
+        return of(self.optimizer).initialized()
+
+    def shared_state(self) -> dict:
+        return self.state if self.shards is None else scalars(self.state)  # (sharded: each its slices)
+
+    def set_shared_state(self, state: dict):
+        if self.shards is None:
+            self.state = state
         else:
-            self.optimizer.init(parameters)
+            self.state.update(state)
 
     def whole_state(self) -> dict:
-        """What checkpoints hold: ``state``, or when sharded, gathered from every rank (collective)."""
         return self.state if self.shards is None else self.shards.whole_state()
 
     def load_whole_state(self, state: dict, model=None):
-        """Set the state from ``whole_state()``'s form (sharded: this rank's part; ``model``: unused)."""
         if self.shards is None:
             self.state = state
         else:
             self.shards.load_whole_state(state)
+
+    # --- the steps -----------------------------------------------------------------------
 
     def update(self, model, gradients, weight=None):
         """Reduce ``gradients`` across ranks, then the wrapped optimizer updates ``model``.
@@ -110,34 +120,25 @@ class DistributedOptimizer(optim.Optimizer):
 
     def reduce_gradients(self, gradients, weight=None):
         """Collective: ``gradients`` reduced now, as ``update`` would (``accumulate_steps`` aside)."""
-        return self._reduce(gradients, 1.0, weight, "DistributedOptimizer.reduce_gradients(grads)")
-
-    def _reduce(self, gradients, scale, weight, what):
-        r = self.reduction
-        return reduce_gradients(
-            self.backend,
-            gradients,
-            op=r.op,
-            scale=scale,
-            weight=weight,
-            compression=r.compression,
-            bucket_bytes=r.bucket_bytes,
-            what=what,
-        )
+        what = "DistributedOptimizer.reduce_gradients(grads)"
+        return self.reduction.reduce(gradients, weight=weight, what=what).wait()
 
     def _step(self, gradients, parameters, target, weight):
         """The updated parameters (of ``target``: the model or ``parameters``), or None while accumulating."""
-        if not self._parameters_checked and evaluate(parameters):  # (not while MLX traces)
-            check_same_parameters(self.backend, parameters)
-            self._parameters_checked = True
-        cycle = self._accumulate(gradients, None if weight is None else as_weight(weight))
+        if not self._checked and evaluate(parameters):  # (not while MLX traces)
+            mine = dict(optimizer=self.rule_name(), accumulate_steps=self.accumulate_steps)
+            settings = {**mine, "shard_optimizer_state": self.shards is not None, **self.reduction.settings()}
+            check_start(self.backend, "DistributedOptimizer", parameters, settings)
+            self._checked = True
+        cycle = self._accumulate(gradients, weight)
         if cycle is None:
             return None
         gradients, scale, weight = cycle
         what = "DistributedOptimizer.update(grads)"
         if self.shards is not None:
             return self.shards.step(gradients, parameters, scale, weight, what)
-        return self.optimizer.apply_gradients(self._reduce(gradients, scale, weight, what), target)
+        reduced = self.reduction.reduce(gradients, scale=scale, weight=weight, what=what).wait()
+        return self.optimizer.apply_gradients(reduced, target)
 
     def _accumulate(self, gradients, weight):
         """``(gradients, scale, weight)`` to reduce at the cycle's k-th call (the sum and 1/k for
@@ -149,13 +150,13 @@ class DistributedOptimizer(optim.Optimizer):
             raise ValueError(
                 "DistributedOptimizer: pass weight= to every call of an accumulation cycle, or to none"
             )
-        if weight is not None:
-            gradients = tree_map(
-                lambda g: g * weight.astype(g.dtype) if isinstance(g, mx.array) else g, gradients
-            )
+        summed = gradients
+        if weight is not None:  # float16 times a count of tokens overflows: float32
+            weight = as_weight(weight)
+            summed = tree_map(lambda g: _wide(g) * weight if isinstance(g, mx.array) else g, gradients)
             self._weight = weight if self._weight is None else self._weight + weight
         add = lambda a, b: a + b if isinstance(a, mx.array) else a  # noqa: E731 (other leaves: the first's)
-        self._sum = gradients if self._sum is None else tree_map(add, self._sum, gradients)
+        self._sum = summed if self._sum is None else tree_map(add, self._sum, summed)
         self._calls += 1
         if self._calls < k:
             mx.async_eval(
@@ -163,21 +164,22 @@ class DistributedOptimizer(optim.Optimizer):
             )  # drop the graphs
             return None
         total, weight, self._sum, self._weight, self._calls = self._sum, self._weight, None, None, 0
-        if weight is not None:  # every weight 0 leaves zeros
-            mean = 1 / mx.maximum(weight, mx.array(1e-30, mx.float32))
-            return (
-                tree_map(lambda g: (g * mean).astype(g.dtype) if isinstance(g, mx.array) else g, total),
-                1.0,
-                weight,
-            )
-        return total, (1 / k if self.reduction.op == "avg" else 1.0), None
+        if weight is None:
+            return total, (1 / k if self.reduction.op == "avg" else 1.0), None
+        mean = lambda s, g: (s * inverse(weight)).astype(g.dtype) if isinstance(s, mx.array) else s  # noqa: E731
+        return tree_map(mean, total, gradients), 1.0, weight
 
 
-def check_same_parameters(backend, parameters, who="DistributedOptimizer"):
-    """Collective: ValueError on every rank unless every rank holds rank 0's parameters (by digest)."""
+def _wide(g):
+    return g.astype(mx.float32) if g.dtype.size <= 2 else g
+
+
+def check_start(backend, who, parameters, settings: dict):
+    """Collective: ValueError on every rank unless every rank holds rank 0's parameters (by
+    digest) and ``settings`` (they decide which collectives a rank makes, and how it steps)."""
     digest = hashlib.sha256()
     for _, p in tree_flatten(parameters):
         if isinstance(p, mx.array):
             digest.update(np.asarray(bits(p)))
     name = "parameters at the first update (call du.synchronize(backend, model) on every rank first), digest"
-    check_same(backend, who, {name: digest.hexdigest()[:16]})
+    check_same(backend, who, {**settings, name: digest.hexdigest()[:16]})

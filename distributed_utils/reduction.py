@@ -1,18 +1,21 @@
-"""The one reduction of gradients: ``reduce_gradients``, a free function over a tree (like
-``mlx.nn.average_gradients``), and ``Reduction``, which every reduction of floating arrays
-in the library goes through (``DistributedOptimizer``, its sharded state, ``DiLoCo``).
+"""The one reduction of floating arrays: ``Reduction.reduce(tree) -> Pending``, which every
+reduction of gradients in the library goes through (``reduce_gradients``, ``DistributedOptimizer``,
+its sharded state, ``DiLoCo``), as an all-reduce or a reduce-scatter.
 
-``Reduction`` decides once, from the op, the world size N, the weight and the compression,
-how each array g travels and comes back:
+Decided here, once, from the op, the world size N, the weights and the compression: each
+floating leaf g of rank r travels as
 
-    sent   = g * w / unit, in the wire dtype          (w: this rank's weight, else 1)
-    result = (sum over the ranks of sent) * unit * factor, in g's dtype
-    factor = scale / (sum of the weights) when weighted, else scale / N ("avg") or scale ("sum")
+    sent   = g * share_r / unit, in the wire dtype
+    result = (sum over the ranks of sent) * unit * scale, in g's dtype
 
-    compression      wire dtype                              unit
-    None             g's                                     1 (unweighted: the transport scales)
-    bfloat16/float16 that dtype (g's when it is no wider)    N, so that the sum cannot overflow
-    int8             int8                                    (max over the ranks of |g w|) / (127 // N)
+    share_r  w_r / (sum of the weights) when weighted (the weights travel first, in one
+             allgather); else 1/N ("avg"; for "sum" too, with scale times N: sums cannot overflow)
+    wire     g's dtype, float32 for a float16/bfloat16 g when weighted; with compression its
+             dtype (bfloat16, float16: g's when g is no wider; int8)
+    unit     1; int8: (max over the ranks of |g| * share_r) / (127 // N), from one allgather
+
+Unweighted and uncompressed, nothing is computed before the sum: the transport sums the leaves
+as they are (MPI in their own memory) and multiplies by share * scale.
 """
 
 import functools
@@ -21,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from .arrays import evaluate
-from .collectives import allgather, allreduce_arrays, reduce_scatter_sum, start_sum
+from .collectives import allgather, allreduce_arrays, average_factor, finish, reduce_scatter_sum, start_sum
 from .tree import GRADIENT_BUCKET_BYTES, buckets, describe, floating_leaves, pack, replace_arrays, unpack
 from .tree import verify_same_structure
 
@@ -36,43 +39,77 @@ def reduce_gradients(
     compression=None,
     bucket_bytes=None,
     verify=True,
-    what="reduce_gradients(grads)",
 ):
     """Collective: the floating mx.arrays of ``gradients`` (a tree) reduced across ranks, in a
     tree of the same structure (other leaves pass through); the table: this module's docstring.
 
     - ``op``: "avg" (N ranks at batch B step like one process at batch N*B) or "sum", times ``scale``.
-    - ``weight``: this rank's weight (a number or 0-d mx.array: its tokens, say): the result is
-      ``sum_r w_r g_r / sum_r w_r`` (zeros if every weight is 0), as one process on the union.
-    - ``compression``: ``mx.bfloat16``/``mx.float16`` (or their names), pre-divided by N so that
-      the sum cannot overflow (MPIBackend sends float32); ``"int8"``: ``127 // N`` levels a side
-      of a per-array scale found in one small allgather (for DiLoCo's pseudo-gradients).
+    - ``weight``: this rank's weight (a number >= 0 or 0-d mx.array: its tokens, say): the result
+      is ``sum_r w_r g_r / sum_r w_r`` (zeros if every weight is 0), as one process on the union.
+    - ``compression``: ``mx.bfloat16``/``mx.float16`` (or their names), or ``"int8"``: ``127 // N``
+      levels a side of a per-array unit (for DiLoCo's pseudo-gradients).
     - ``bucket_bytes``: arrays smaller than this travel packed by dtype, this many bytes a
-      collective (0: each alone; default 32 MiB).
+      collective (0: each alone; default 32 MiB); larger ones travel alone, as they are.
     - ``verify``: first check, in one 32-byte allgather, that every rank passes the same tree
-      and weighting (not while MLX traces), else ``TreeMismatchError`` naming ``what`` on every rank.
+      and weighting (not while MLX traces), else ``TreeMismatchError`` on every rank.
 
     On MPIBackend, arrays that can be (evaluated, contiguous, not sharing memory) are reduced
     in their own memory and hold the result. In a world of one they come back as they are.
     """
     reduction = Reduction(backend, op, compression, bucket_bytes)
-    weight = None if weight is None else as_weight(weight)
-    leaves = reduction.leaves(gradients, weight, what, verify)
-    return replace_arrays(gradients, reduction.allreduce([g for _, g in leaves], scale, weight))
+    return reduction.reduce(gradients, scale=scale, weight=weight, verify=verify).wait()
 
 
 class Reduction:
-    """How floating arrays are reduced across ranks (see the module's docstring); collective."""
+    """How floating arrays are reduced across ranks (the module's docstring); ``reduce`` is collective."""
 
     def __init__(self, backend, op="avg", compression=None, bucket_bytes=None):
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' (du.avg) or 'sum', got {op!r}")
         self.backend, self.op, self.compression = backend, op, as_compression(compression)
+        if self.compression == "int8" and backend.size > 127:
+            raise ValueError(f"int8 compression sums at most 127 ranks' levels; this job has {backend.size}")
         self.bucket_bytes = GRADIENT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
 
-    def leaves(self, tree, weight, what, verify=True) -> list:
+    def settings(self) -> dict:
+        """What every rank's reduction must agree on."""
+        return dict(op=self.op, compression=self.compression, bucket_bytes=self.bucket_bytes)
+
+    def reduce(self, tree, *, scale=1.0, weight=None, start=False, scatter=False, verify=True, what=None):
+        """Collective: ``tree``'s floating mx.arrays reduced (the result: ``Pending.wait()``).
+        ``weight``: this rank's, for the weighted mean; ``start``: the sums travel while this rank
+        computes (MLX backends) until ``wait()``; ``scatter``: the leaves are 1-d, of lengths that
+        N divides, and each comes back as this rank's part of the result (a reduce-scatter)."""
+        what = what or "Reduction.reduce(tree)"
+        weight = None if weight is None else as_weight(weight)
+        arrays = [g for _, g in self.check(tree, weight, what, verify)]
+        if self.backend.size == 1 and weight is None and not scatter:
+            return Pending(tree, [g if scale == 1.0 else g * scale for g in arrays])
+        if weight is not None:
+            share = self._share(weight, what)
+        else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards: no sum can overflow
+            share = average_factor(self.backend)
+            scale = scale if self.op == "avg" else scale * self.backend.size
+        _raise_cache_limit(4 * sum(g.nbytes for g in arrays))
+        if self.compression is None and weight is None:  # as they are: the transport scales
+            sent, units, transport_scale = arrays, None, share * scale
+        else:
+            units = self._units(arrays, share)
+            sent = [_scaled(g, share / unit, self._wire(g, weight)) for g, unit in zip(arrays, units)]
+            transport_scale = 1.0
+        groups = [[i] for i in range(len(sent))] if scatter else buckets(sent, self.bucket_bytes)
+        packed = [pack(sent, group) for group in groups]
+        if scatter:
+            sums = [reduce_scatter_sum(self.backend, flat, transport_scale) for flat in packed]
+        elif start:
+            sums = start_sum(self.backend, packed, transport_scale)
+        else:  # in place: the packer's copies, or the caller's own arrays (as documented)
+            sums = allreduce_arrays(self.backend, packed, "sum", transport_scale, in_place=True)
+        return Pending(tree, arrays, sums, groups, sent, units, scale, scatter)
+
+    def check(self, tree, weight, what, verify=True) -> list:
         """Collective: ``[(key, array)]``, the (floating, else TypeError) mx.arrays of ``tree``, once
-        every rank passes the same tree, weighted alike (else ``TreeMismatchError``)."""
+        every rank passes the same tree, weighted alike (else ``TreeMismatchError``; ``verify``)."""
         if weight is not None and self.op != "avg":
             raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {self.op!r}")
         if verify and self.backend.size > 1 and evaluate(tree):  # (not while MLX traces)
@@ -80,66 +117,65 @@ class Reduction:
             verify_same_structure(self.backend, describe(tree) + weighted, what)
         return floating_leaves(tree, what)  # after the check: the same error on every rank
 
-    def allreduce(self, leaves, scale=1.0, weight=None) -> list:
-        """Collective: each of ``leaves`` reduced, times ``scale`` (``weight``: this rank's, 0-d float32)."""
-        return self.start(leaves, scale, weight, later=False)()
+    def _share(self, weight, what):
+        """This rank's weight over the sum of every rank's (0 when every weight is 0), from one
+        allgather of the weights, checked: negative or not finite is a ValueError on every rank."""
+        weights = allgather(self.backend, weight.reshape(1))
+        if evaluate(weights):  # (not while MLX traces)
+            bad = [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]
+            if bad:
+                raise ValueError(
+                    f"{what}: weight must be a finite number >= 0 (a count of tokens, say); "
+                    f"ranks {bad} passed {[weights[r].item() for r in bad]}"
+                )
+        return weight * inverse(weights.sum())
 
-    def start(self, leaves, scale=1.0, weight=None, later=True):
-        """Collective: ``allreduce``, started (``later``: while this rank computes); returns its wait."""
-        if self.backend.size == 1 and weight is None:
-            alone = leaves if scale == 1.0 else [g * scale for g in leaves]
-            return lambda: alone
-        _raise_cache_limit(4 * sum(g.nbytes for g in leaves))
-        if self.compression is None and weight is None:  # as they are: the transport scales
-            return _bucketed(self.backend, leaves, self._factor(scale), self.bucket_bytes, later)
-        units, total = self._units(leaves, weight)
-        weights = [weight.reshape(1)] if weight is not None and total is None else []  # with the float32 ones
-        sent = [self._sent(g, unit, weight) for g, unit in zip(leaves, units)]
-        summed = _bucketed(self.backend, sent + weights, 1.0, self.bucket_bytes, later)
-
-        def result():
-            sums = summed()
-            factor = self._factor(scale, sums[-1] if weights else total)
-            return [_scaled(s, unit * factor, g.dtype) for s, g, unit in zip(sums, leaves, units)]
-
-        return result
-
-    def reduce_scatter(self, flats, scale=1.0, weight=None) -> list:
-        """Collective: this rank's part of what ``allreduce`` gives for each of ``flats`` (1-d, their
-        lengths multiples of N), by the transport's reduce-scatter."""
-        _raise_cache_limit(4 * sum(flat.nbytes for flat in flats))
-        total = None if weight is None else allreduce_arrays(self.backend, [weight.reshape(1)], "sum")[0]
-        unit = 1.0 if self.compression is None else float(self.backend.size)
-        factor = unit * self._factor(scale, total)
-        sent = [flat if unit == 1.0 and weight is None else self._sent(flat, unit, weight) for flat in flats]
-        return [
-            _scaled(reduce_scatter_sum(self.backend, s), factor, flat.dtype) for s, flat in zip(sent, flats)
-        ]
-
-    def _units(self, leaves, weight):
-        """Per leaf, what one unit on the wire is worth; and the total weight if int8's allgather
-        (of each array's largest magnitude) brought it."""
-        n = self.backend.size
+    def _units(self, arrays, share):
+        """Per array, what one unit on the wire is worth: 1, or int8's (one allgather of every
+        rank's largest magnitude times its share)."""
         if self.compression != "int8":
-            return [1.0 if self.compression is None else float(n)] * len(leaves), None
-        w = mx.array(1.0) if weight is None else weight
-        local = [
-            mx.max(mx.abs(g)).astype(mx.float32) * mx.abs(w) if g.size else mx.array(0.0) for g in leaves
-        ]
-        everyone = allgather(self.backend, mx.stack(local + [w])[None])
-        steps = mx.max(everyone[:, :-1], axis=0) / (127 // n)
-        units = [mx.where(s > 0, s, 1.0) for s in steps]  # an array of zeros: any unit
-        return units, None if weight is None else mx.sum(everyone[:, -1])
+            return [1.0] * len(arrays)
+        local = [mx.max(mx.abs(g)).astype(mx.float32) * share if g.size else mx.array(0.0) for g in arrays]
+        steps = mx.max(allgather(self.backend, mx.stack(local)[None]), axis=0) / (127 // self.backend.size)
+        return [mx.where(s > 0, s, 1.0) for s in steps]  # an array of zeros: any unit
 
-    def _sent(self, g, unit, weight):
-        """What travels for ``g``: ``g * weight / unit`` in the wire dtype."""
-        narrow = self.compression is None or (self.compression != "int8" and g.dtype.size <= 2)
-        return _scaled(g, (1.0 if weight is None else weight) / unit, g.dtype if narrow else self.compression)
+    def _wire(self, g, weight):
+        """The dtype ``g`` travels in."""
+        narrow = g.dtype.size <= 2
+        if self.compression is None:
+            return mx.float32 if narrow and weight is not None else g.dtype
+        return g.dtype if narrow and self.compression != "int8" else self.compression
 
-    def _factor(self, scale, total=None):
-        if total is not None:  # every weight 0: gradients 0
-            return scale / mx.maximum(total.reshape(()), mx.array(1e-30, mx.float32))
-        return scale / self.backend.size if self.op == "avg" else scale
+
+class Pending:
+    """A reduction begun by ``Reduction.reduce``; ``wait()`` gives its tree (and then again)."""
+
+    def __init__(
+        self, tree, arrays=None, sums=None, groups=None, sent=None, units=None, scale=1.0, scatter=False
+    ):
+        """Of a tree done already: ``Pending(tree)``, or ``(tree, its new arrays)``."""
+        self.tree, self.arrays, self.sums, self.groups = tree, arrays, sums, groups
+        self.sent, self.units, self.scale, self.scatter = sent, units, scale, scatter
+        self.result = tree if arrays is None else replace_arrays(tree, arrays) if sums is None else None
+
+    def wait(self):
+        """Collective (the first time, if started): the reduced tree."""
+        if self.result is None:
+            out = [None] * len(self.arrays)
+            for group, total in zip(self.groups, finish(self.sums)):
+                pieces = [total] if self.scatter else unpack(total, self.sent, group)
+                for i, piece in zip(group, pieces):
+                    unit = None if self.units is None else self.units[i]
+                    out[i] = (
+                        piece if unit is None else _scaled(piece, unit * self.scale, self.arrays[i].dtype)
+                    )
+            self.result = replace_arrays(self.tree, out)
+        return self.result
+
+
+def inverse(total_weight: mx.array) -> mx.array:
+    """1 / ``total_weight``, and 0 for 0 (every weight 0: zeros)."""
+    return 1 / mx.maximum(total_weight, mx.array(1e-30, mx.float32))
 
 
 def as_compression(compression):
@@ -160,27 +196,6 @@ def as_weight(weight) -> mx.array:
     if weight.ndim != 0:
         raise ValueError(f"weight must be 0-d (one number per rank), got shape {weight.shape}")
     return weight
-
-
-def _bucketed(backend, arrays, scale, bucket_bytes, later=False):
-    """The wait for the sums of ``arrays`` times ``scale``, small ones packed (run now, or ``later``)."""
-    groups = buckets(arrays, bucket_bytes)
-    packed = [pack(arrays, g) for g in groups]
-    # in place: the packer's copies, or the caller's own arrays (as documented)
-    sums = (
-        start_sum(backend, packed, scale)
-        if later
-        else allreduce_arrays(backend, packed, "sum", scale, in_place=True)
-    )
-
-    def unpacked():
-        out = [None] * len(arrays)
-        for group, total in zip(groups, sums() if later else sums):
-            for i, piece in zip(group, unpack(total, arrays, group)):
-                out[i] = piece
-        return out
-
-    return unpacked
 
 
 def _scaled(x, s, dtype):

@@ -10,6 +10,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .collectives import allgather
+from .state import at_key, scalars
 from .tree import floating_leaves
 
 #: Optimizers whose update is element by element: their state can be split anywhere.
@@ -107,17 +108,16 @@ class ShardedState:
 
     def step(self, gradients, parameters, scale, weight, what):
         """Collective: the updated parameters at the keys of ``gradients``, reduced by ``reduction``."""
-        leaves = self.reduction.leaves(gradients, weight, what)
-        layout = self._layout(leaves)
+        mine = self._my_gradients(gradients, scale, weight, what)
         # Nothing here holds the slices while the all-gather evaluates the update: MLX can then
         # reuse their buffers for its results (as it does for an unsharded optimizer).
-        mine = layout.my_slices(dict(tree_flatten(parameters)))
-        updated = self.optimizer.apply_gradients(self._my_gradients(leaves, scale, weight), mine)
-        del mine
+        updated = self.optimizer.apply_gradients(mine, self.layout.my_slices(dict(tree_flatten(parameters))))
         whole = {}
-        for name in layout.groups:
-            whole.update(layout.unflatten(allgather(self.backend, layout.shard(updated, name)), name))
-        return tree_unflatten([(key, whole[key]) for key, *_ in layout.signature])
+        for name in self.layout.groups:
+            whole.update(
+                self.layout.unflatten(allgather(self.backend, self.layout.shard(updated, name)), name)
+            )
+        return tree_unflatten([(key, whole[key]) for key, *_ in self.layout.signature])
 
     def init(self, parameters):
         """Initialize the state of this rank's slices of ``parameters`` (a tree)."""
@@ -129,7 +129,7 @@ class ShardedState:
         if self.layout is None or self._pending is not None:
             return self._pending if self._pending is not None else self.optimizer.state
         layout, state = self.layout, self.optimizer.state
-        whole = {k: v for k, v in state.items() if k not in layout.slices}  # step, learning rate
+        whole = scalars(state)
         per_key = {key: {} for key, *_ in layout.signature}
         mine = {entry for key in layout.slices for entry in state.get(key, {})}
         entries = sorted(set().union(*allgather(self.backend, mine)))  # (a rank may hold no slice)
@@ -163,27 +163,24 @@ class ShardedState:
 
     def _apply_pending(self):
         state, self._pending = self._pending, None
-        mine = {k: v for k, v in state.items() if not isinstance(v, (dict, list))}  # step, learning rate
-        for key, (_, a, b) in self.layout.slices.items():
+        mine = scalars(state)
+        for key, (_, a, b) in (
+            self.layout.slices.items() if len(mine) < len(state) else ()
+        ):  # (else: unused yet)
             mine[key] = {entry: v.reshape(-1)[a:b] for entry, v in at_key(state, key).items()}
         self.optimizer.state = mine
 
-    def _my_gradients(self, leaves, scale, weight) -> dict:
-        """This rank's slices of the reduced gradients."""
-        layout, grads = self.layout, dict(leaves)
-        # reduce-scatter where the transport has its own (half the traffic) and no int8 scales travel first
-        if not (self.backend.native_reduce_scatter and self.reduction.compression != "int8"):
-            reduced = self.reduction.allreduce([a for _, a in leaves], scale, weight)
-            return layout.my_slices(dict(zip(grads, reduced)))
-        names = list(layout.groups)
-        shards = self.reduction.reduce_scatter([layout.flatten(grads, name) for name in names], scale, weight)
-        return {
-            key: s for name, shard in zip(names, shards) for key, s in layout.slices_of(shard, name).items()
-        }
-
-
-def at_key(tree, key: str):
-    """The value at ``key`` ("layers.0.weight") of a nested dict/list tree."""
-    for part in key.split("."):
-        tree = tree[int(part)] if isinstance(tree, list) else tree[part]
-    return tree
+    def _my_gradients(self, gradients, scale, weight, what) -> dict:
+        """This rank's slices of the reduced gradients: a reduce-scatter of the flat vectors where
+        the transport has its own (half the traffic; int8 keeps a unit per array: all-reduce),
+        else the all-reduce, then the slices."""
+        reduction, grads = self.reduction, dict(tree_flatten(gradients))
+        if not (self.backend.native_reduce_scatter and reduction.compression != "int8"):
+            reduced = reduction.reduce(grads, scale=scale, weight=weight, what=what).wait()
+            return self._layout(floating_leaves(grads, what)).my_slices(reduced)
+        layout = self._layout(reduction.check(grads, weight, what))
+        flats = {name: layout.flatten(grads, name) for name in layout.groups}
+        shards = reduction.reduce(
+            flats, scale=scale, weight=weight, scatter=True, verify=False, what=what
+        ).wait()
+        return {key: s for name, shard in shards.items() for key, s in layout.slices_of(shard, name).items()}

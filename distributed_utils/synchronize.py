@@ -5,12 +5,12 @@ import copy
 import mlx.core as mx
 import numpy as np
 from mlx.nn import Module
-from mlx.optimizers import MultiOptimizer, Optimizer
+from mlx.optimizers import Optimizer
 from mlx.utils import tree_flatten
 
 from .arrays import UINT_BY_SIZE, bits, width
 from .collectives import bcast, check_root, root_runs
-from .optimizer import DistributedOptimizer
+from .state import of
 from .tree import (
     BROADCAST_BUCKET_BYTES,
     TreeMismatchError,
@@ -50,34 +50,22 @@ def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
 
 
 def _synchronize_optimizer(backend, opt, root, model, what):
-    if model is not None and not has_state(opt):
+    state = of(opt)
+    if model is not None and not state.initialized():
         opt.init(model.trainable_parameters())
-    sharded = isinstance(opt, DistributedOptimizer) and opt.shards is not None
-    # (a sharded state's parts are the dicts of its dtype groups)
-    mine = {k: v for k, v in opt.state.items() if not isinstance(v, dict)} if sharded else opt.state
     try:
-        state = _synchronize_tree(backend, mine, root, what)
+        shared = _synchronize_tree(backend, state.shared_state(), root, what)
     except TreeMismatchError as e:
         hint = "an optimizer not yet updated needs opt.init(model.trainable_parameters()) or model=model"
         raise TreeMismatchError(f"{e}; {hint}") from None
-    if not has_state(opt):  # the same on every rank: their states have the same structure
+    if not state.initialized():  # the same on every rank: their states have the same structure
         raise ValueError(
             f"{what}: the state is not initialized; call opt.init(model.trainable_parameters()) "
             "first, or pass model=model"
         )
-    if backend.rank != root and sharded:
-        opt.state.update(state)
-    elif backend.rank != root:
-        opt.state = state
+    if backend.rank != root:
+        state.set_shared_state(shared)
     return opt
-
-
-def has_state(opt) -> bool:
-    """Whether ``opt.state`` holds per-parameter entries (it does after ``init`` or an update)."""
-    opt = getattr(opt, "optimizer", opt)  # a DistributedOptimizer's wrapped one
-    if isinstance(opt, MultiOptimizer):
-        return all(has_state(o) for o in opt.optimizers)
-    return any(isinstance(v, (dict, list, tuple)) for v in opt.state.values())
 
 
 def _synchronize_tree(backend, tree, root, what):

@@ -1,20 +1,16 @@
 """Trees of arrays: their leaves, the packer that carries many arrays in few collectives, and
 the check that every rank holds the same structure (the bucket sizes: docs/architecture.md)."""
 
-import hashlib
 import itertools
-import pickle
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from .arrays import show, signature
-from .collectives import allgather
+from .collectives import check_same
 
-GRADIENT_BUCKET_BYTES = (
-    32 * 2**20
-)  # gradients packed per collective (mlx.nn.average_gradients uses 32 MiB too)
+#: Gradients packed per collective (mlx.nn.average_gradients uses 32 MiB too).
+GRADIENT_BUCKET_BYTES = 32 * 2**20
 BROADCAST_BUCKET_BYTES = 16 * 2**20  # synchronize's buckets: small enough to stay in MLX's buffer cache
 
 
@@ -84,17 +80,15 @@ def describe(tree) -> list:
 
 
 def verify_same_structure(backend, description: list, what: str):
-    """Collective: one allgather of a 32-byte digest; if the ranks' ``description``s (``describe``)
-    differ, TreeMismatchError on every rank naming the first differing key and each rank's leaf."""
-    digest = np.frombuffer(hashlib.sha256(pickle.dumps(description)).digest(), np.uint8)
-    digests = allgather(backend, digest).reshape(backend.size, -1)
-    if (digests == digests[0]).all():
-        return
-    descriptions = allgather(backend, description)  # every rank saw the mismatch
-    raise TreeMismatchError(_mismatch_message(descriptions, what))
+    """Collective: if the ranks' ``description``s (``describe``) differ, TreeMismatchError on
+    every rank naming the first differing key and each rank's leaf (``check_same``)."""
+    check_same(
+        backend, what, {"tree": description}, TreeMismatchError, lambda every: _mismatch_message(every, what)
+    )
 
 
-def _mismatch_message(descriptions: list, what: str) -> str:
+def _mismatch_message(everyone: list, what: str) -> str:
+    descriptions = [values["tree"] for values in everyone]
     tables = [dict(d) for d in descriptions]
     keys = list(dict.fromkeys(k for d in descriptions for k, _ in d))
     key = next((k for k in keys if len({repr(t.get(k, "missing")) for t in tables}) > 1), None)

@@ -6,7 +6,6 @@ import sys
 import types
 
 import pytest
-
 from launching import ROOT, launch
 
 DIGITS = ["python", "examples/digits.py"]

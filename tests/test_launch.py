@@ -6,7 +6,6 @@ import sys
 import threading
 
 import pytest
-
 from launching import ROOT, launch
 
 BACKENDS = ["mpi", "ring", "mlx-mpi"]

@@ -8,7 +8,6 @@ blocks one after the other, each in a fresh namespace, in a scratch directory.
 import re
 
 import pytest
-
 from launching import ROOT, launch
 
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)

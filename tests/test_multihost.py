@@ -15,7 +15,6 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from hosts import Hosts, command_line, ip
 from launching import ROOT, launch
 

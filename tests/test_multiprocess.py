@@ -3,7 +3,6 @@
 import re
 
 import pytest
-
 from launching import launch
 
 WORLDS = [(backend, n) for backend in ("mpi", "ring", "mlx-mpi") for n in (2, 3, 4)]

@@ -13,7 +13,6 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from launching import ROOT, launch
 
 TIMEOUT = 3  # the watchdog timeout in these tests, in seconds

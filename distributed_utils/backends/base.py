@@ -51,11 +51,12 @@ class AbstractBackend(abc.ABC):
         results may stay unevaluated while the rank computes. Here: ``allreduce``, now."""
         return self.allreduce(arrays, "sum", scale, in_place=True)
 
-    def reduce_scatter(self, x):
-        """Rank r's part ``r * c .. (r + 1) * c - 1`` of the sum of every rank's 1-d ``x`` (c =
-        length / size). Here: the whole sum, then the part (a native one sets ``native_reduce_scatter``)."""
+    def reduce_scatter(self, x, scale: float = 1.0):
+        """Rank r's part ``r * c .. (r + 1) * c - 1`` of the sum of every rank's 1-d ``x`` times
+        ``scale`` (c = length / size). Here: the whole sum, then the part (a native one sets
+        ``native_reduce_scatter``)."""
         c = x.shape[0] // self.size
-        return self.allreduce([x], "sum")[0][self.rank * c : (self.rank + 1) * c]
+        return self.allreduce([x], "sum", scale)[0][self.rank * c : (self.rank + 1) * c]
 
     def __repr__(self):
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

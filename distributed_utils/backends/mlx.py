@@ -112,8 +112,10 @@ class _NativeReduceScatter:
 
     native_reduce_scatter = True
 
-    def reduce_scatter(self, x):
-        return mx.distributed.sum_scatter(x, group=self.group, stream=self.stream)
+    def reduce_scatter(self, x, scale=1.0):
+        return mx.distributed.sum_scatter(
+            x * scale if scale != 1.0 else x, group=self.group, stream=self.stream
+        )
 
 
 class NCCLBackend(_NativeReduceScatter, MLXBackend):

@@ -3,6 +3,7 @@ exactly, on every rank. (The watchdog and dead ranks: tests/test_reliability.py.
 
 import json
 import warnings
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -10,6 +11,7 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from test_optimizer import dataset, mlp, train
 
 import distributed_utils as du
 from distributed_utils import watchdog
@@ -318,20 +320,133 @@ def test_a_directory_of_checkpoints_falls_back_to_the_newest_intact_one(backend,
         ), [str(w.message) for w in caught]
 
 
-def test_a_checkpoint_without_checksums_loads_unverified(backend, tmp_path):
-    """Files written before checksums: their metadata has none; they load, with a warning."""
+def rewrite_header(path, change):
+    """Rewrite the safetensors header of the file at ``path`` with ``change(header)``."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    change(header)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(len(head).to_bytes(8, "little") + head + data[8 + n :])
+
+
+def as_written_before(meta, crc32=True):
+    """A checkpoint as an older version wrote it: format 1, no header checksum (nor checksums)."""
+    meta["__metadata__"]["distributed_utils"] = meta["__metadata__"]["distributed_utils"].replace(
+        "checkpoint/2", "checkpoint/1"
+    )
+    del meta["__metadata__"]["header_crc32"]
+    if not crc32:
+        del meta["__metadata__"]["crc32"]
+
+
+@pytest.mark.parametrize("crc32", [True, False], ids=["format-1", "no-checksums"])
+def test_a_checkpoint_of_an_older_version_loads_unverified(backend, tmp_path, crc32):
+    """Files written before checksums, or before the checksum of the metadata: they load, with a warning."""
     path = du.bcast(backend, str(tmp_path / "old"))
     du.save_checkpoint(backend, path, model=nn.Linear(3, 4), step=5)
     if du.local_rank(backend) == 0:
-        data = (tmp_path / "old").read_bytes()
-        n = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + n])
-        del header["__metadata__"]["crc32"]
-        head = json.dumps(header).encode()
-        head += b" " * (-len(head) % 8)
-        (tmp_path / "old").write_bytes(len(head).to_bytes(8, "little") + head + data[8 + n :])
+        rewrite_header(tmp_path / "old", lambda header: as_written_before(header, crc32))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert du.load_checkpoint(backend, path, model=nn.Linear(3, 4))["step"] == 5
     if du.local_rank(backend) == 0:
-        assert any("written without checksums" in str(w.message) for w in caught)
+        said = "written without checksums" if not crc32 else "written without a checksum of its metadata"
+        assert any(said in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+FRESH_OPTIMIZERS = {
+    "Adam": lambda b: optim.Adam(1e-2),
+    "replicated": lambda b: du.DistributedOptimizer(b, optim.Adam(1e-2)),
+    "accumulating": lambda b: du.DistributedOptimizer(b, optim.SGD(0.1, momentum=0.9), accumulate_steps=2),
+    "sharded": lambda b: du.DistributedOptimizer(b, optim.AdamW(1e-2), shard_optimizer_state=True),
+    "DiLoCo": lambda b: du.DiLoCo(b, optim.AdamW(1e-2), sync_every=4, fragments=2, fragment_sync_delay=1),
+}
+
+
+@pytest.mark.parametrize("name", FRESH_OPTIMIZERS)
+def test_every_optimizer_saves_and_loads_before_its_first_update(backend, tmp_path, name):
+    """#26.9: a job saved (or preempted) at step 0 restarts from it, and trains bit for bit as if
+    it had never stopped."""
+    path = du.bcast(backend, str(tmp_path / "ck"))
+    x, y = dataset(du.local_rank(backend), 6 * 4)
+    batches = [(x[s * 4 : (s + 1) * 4], y[s * 4 : (s + 1) * 4]) for s in range(6)]
+    first, opt = mlp(), FRESH_OPTIMIZERS[name](backend)
+    du.save_checkpoint(backend, path, model=first, optimizer=opt, step=0)
+    train(first, opt, batches)
+    again, opt = mlp(seed=1), FRESH_OPTIMIZERS[name](backend)
+    assert du.load_checkpoint(backend, path, model=again, optimizer=opt)["step"] == 0
+    train(again, opt, batches)
+    for (key, a), (_, b) in zip(tree_flatten(first.parameters()), tree_flatten(again.parameters())):
+        assert mx.array_equal(a, b).item(), key
+
+
+def files_in(backend, folder) -> list:
+    """The names in ``folder`` as rank 0 sees them, on every rank."""
+    return du.bcast(
+        backend, sorted(p.name for p in Path(folder).iterdir()) if du.local_rank(backend) == 0 else None
+    )
+
+
+def save_step(backend, folder, step, keep):
+    model = nn.Linear(3, 4)
+    model.update({"bias": mx.full((4,), float(step))})
+    du.save_checkpoint(backend, folder, model=model, step=step, keep=keep)
+
+
+def loaded_step(backend, folder):
+    model = nn.Linear(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = du.load_checkpoint(backend, folder, model=model)["step"]
+    assert (np.array(model.bias) == float(step)).all()
+    return step
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_saves_after_a_fallback_keep_themselves_and_the_damaged_file_is_set_aside(backend, tmp_path, keep):
+    """#26.2: the newest checkpoint (20) is damaged; the load falls back to 15 and sets 20 aside;
+    the run goes on from 15 and saves 16 and 17: they stay (keep=1 deleted each before), and a
+    load finds the newest of them."""
+    folder = du.bcast(backend, str(tmp_path / "cks"))
+    for step in (15, 20):
+        save_step(backend, folder, step, keep=2)
+    if du.local_rank(backend) == 0:
+        flip_a_byte(tmp_path / "cks" / "step-000000000020.safetensors", "model.bias")
+    assert loaded_step(backend, folder) == 15
+    for step in (16, 17):
+        save_step(backend, folder, step, keep=keep)
+    kept = ["step-000000000016.safetensors"] * (keep == 2) + ["step-000000000017.safetensors"]
+    assert files_in(backend, folder) == kept + ["step-000000000020.safetensors.damaged"]
+    assert loaded_step(backend, folder) == 17
+
+
+def test_a_run_resumed_from_an_older_checkpoint_sets_the_later_ones_aside(backend, tmp_path):
+    """Steps that go backwards: a run resumed from 15 while 20 is intact (the user's choice) saves
+    16; 20 belongs to a trajectory left behind, and must not be what the next load takes."""
+    folder = du.bcast(backend, str(tmp_path / "cks"))
+    for step in (15, 20):
+        save_step(backend, folder, step, keep=3)
+    assert loaded_step(backend, f"{folder}/step-000000000015.safetensors") == 15
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_step(backend, folder, 16, keep=3)
+    if du.local_rank(backend) == 0:  # rank 0 writes, and warns
+        assert any("as step-000000000020.safetensors.superseded" in str(w.message) for w in caught)
+    assert files_in(backend, folder) == [
+        "step-000000000015.safetensors",
+        "step-000000000016.safetensors",
+        "step-000000000020.safetensors.superseded",
+    ]
+    assert loaded_step(backend, folder) == 16
+
+
+def test_a_killed_saves_temporary_file_goes_at_the_next_save_of_a_keep_folder(backend, tmp_path):
+    """#26.3: a temporary file of another step's killed save (another name) goes too."""
+    folder = du.bcast(backend, str(tmp_path / "cks"))
+    save_step(backend, folder, 1, keep=2)
+    if du.local_rank(backend) == 0:
+        (tmp_path / "cks" / ".step-000000000002.safetensors.tmp-99999").write_bytes(b"half a checkpoint")
+    save_step(backend, folder, 3, keep=2)
+    assert files_in(backend, folder) == ["step-000000000001.safetensors", "step-000000000003.safetensors"]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_optimizer import assert_same_parameters, dataset, loss_fn, mlp
 
 import distributed_utils as du
 from distributed_utils.partition import (
@@ -21,8 +22,6 @@ from distributed_utils.partition import (
     shard_bounds,
     share_sizes,
 )
-
-from test_optimizer import assert_same_parameters, dataset, loss_fn, mlp
 
 
 def as_list(batch):

@@ -135,29 +135,50 @@ def _rewrite_header(path, edit):
     open(path, "wb").write(struct.pack("<Q", len(head)) + head + blob[8 + n :])
 
 
-def _drop_world_size(header):
-    meta = json.loads(header["__metadata__"]["distributed_utils"])
-    del meta["world_size"]
-    header["__metadata__"]["distributed_utils"] = json.dumps(meta)
+def _meta(change):
+    """An edit of the checkpoint's own metadata (its JSON), by ``change(meta)``."""
+
+    def edit(header):
+        meta = json.loads(header["__metadata__"]["distributed_utils"])
+        change(meta)
+        header["__metadata__"]["distributed_utils"] = json.dumps(meta)
+
+    return edit
 
 
+def _entry(name, change):
+    """An edit of one of the metadata's JSON entries (keys, float64, crc32), by ``change(value)``."""
+
+    def edit(header):
+        value = json.loads(header["__metadata__"][name])
+        header["__metadata__"][name] = json.dumps(change(value))
+
+    return edit
+
+
+DAMAGED = "is damaged: its metadata or header do not match their checksum"
 CORRUPT = [
     (
         "an unknown dtype",
         lambda h: h["model.weight"].__setitem__("dtype", "X9"),
         "ck is incomplete or corrupt: [safetensor] unsupported dtype X9",
     ),
-    ("metadata missing", _drop_world_size, "missing ['world_size']"),
     (
         "offsets shorter than the shape",
         lambda h: h["model.bias"].__setitem__("data_offsets", [0, 4]),
         "ck is incomplete or corrupt: [load_safetensors] Tensor 'model.bias' invalid data offsets",
     ),
-    (
-        "optimizer state of another shape",
-        lambda h: h["optimizer.weight.m"].__setitem__("shape", [16, 64]),
-        "does not fit the optimizer: at 'weight.m'",
-    ),
+    # Everything a load trusts is covered by a checksum (#26.1): a bit flipped anywhere is damage.
+    ("the step 5 -> 7", _meta(lambda m: m.update(step=7)), DAMAGED),
+    ("the data position", _meta(lambda m: m.update(data={"epoch": 0, "batch": 1})), DAMAGED),
+    ("extra", _meta(lambda m: m.update(extra={"loss": 0.5})), DAMAGED),
+    ("the world size", _meta(lambda m: m.update(world_size=m["world_size"] + 1)), DAMAGED),
+    ("metadata missing", _meta(lambda m: m.pop("world_size")), DAMAGED),
+    ("the key order", _entry("keys", lambda keys: keys[::-1]), DAMAGED),
+    ("the float64 list", _entry("float64", lambda keys: keys + ["model.bias"]), DAMAGED),
+    ("the checksum map", _entry("crc32", lambda crcs: {**crcs, "rng": crcs["rng"] ^ 1}), DAMAGED),
+    ("an array's shape", lambda h: h["optimizer.weight.m"].__setitem__("shape", [16, 64]), DAMAGED),
+    ("an array's name", lambda h: h.__setitem__("model.bias2", h.pop("model.bias")), DAMAGED),
 ]
 
 
@@ -169,7 +190,7 @@ def test_corrupt_checkpoint_headers_are_checkpoint_errors_on_every_rank(
     model = nn.Linear(16, 64)
     opt = du.DistributedOptimizer(backend, optim.Adam(1e-3))
     opt.init(model.trainable_parameters())
-    du.save_checkpoint(backend, path, model=model, optimizer=opt, step=1)
+    du.save_checkpoint(backend, path, model=model, optimizer=opt, step=5, data={"epoch": 0, "batch": 3})
     if backend.rank == 0:
         _rewrite_header(path, edit)
     raised_everywhere(

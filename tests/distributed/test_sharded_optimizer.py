@@ -10,8 +10,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
-from test_optimizer import OPTIMIZERS, assert_same_parameters, compiled_step, loss_fn, mlp
-from test_optimizer import reference_and_mine, train, train_with_the_first_layer_frozen
+from test_optimizer import (
+    OPTIMIZERS,
+    assert_same_parameters,
+    compiled_step,
+    loss_fn,
+    mlp,
+    reference_and_mine,
+    train,
+    train_with_the_first_layer_frozen,
+)
 
 import distributed_utils as du
 from distributed_utils.sharded import ELEMENTWISE, Layout

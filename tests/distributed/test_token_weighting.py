@@ -174,3 +174,37 @@ def test_a_compiled_weighted_step(backend):
     for x, y, mask in (step_[r] for step_ in steps):
         mx.eval(step(x, y, mask), model.parameters(), opt.state)
     assert_same_parameters(model, expected)
+
+
+def test_float16_gradients_weighted_by_thousands_of_tokens_do_not_overflow(backend):
+    """#26.4: g * 4096 overflows float16 (65504); the weighted mean is the float32 computation,
+    rounded once to float16 (the shares are powers of two here, so float32 holds every sum exactly)."""
+    n, r = du.total_workers(backend), du.local_rank(backend)
+    weights = [4096.0 * w for w in (1, 1, 2, 4)[:n]]
+    grads = [np.arange(-600, 600, 7, dtype=np.float16) * (i + 1) for i in range(n)]
+    got = du.reduce_gradients(backend, {"g": mx.array(grads[r])}, weight=weights[r])["g"]
+    shares = np.array(weights, np.float32) / np.float32(sum(weights))
+    want = sum(g.astype(np.float32) * s for g, s in zip(grads, shares)).astype(np.float16)
+    assert got.dtype == mx.float16 and np.array_equal(np.array(got), want)
+
+
+def test_accumulated_float16_gradients_weighted_by_tokens_stay_finite(backend):
+    n, r = du.total_workers(backend), du.local_rank(backend)
+    opt = du.DistributedOptimizer(backend, optim.SGD(1.0), accumulate_steps=2)
+    params = {"w": mx.zeros((8,), mx.float16)}
+    grads = [{"w": mx.full((8,), 100.0 * (i + 1) * (r + 1), mx.float16)} for i in range(2)]
+    params = opt.apply_gradients(grads[0], params, weight=4096)
+    params = opt.apply_gradients(grads[1], params, weight=4096)
+    want = -150.0 * sum(range(1, n + 1)) / n  # the mean over calls and ranks
+    assert params["w"].dtype == mx.float16
+    np.testing.assert_allclose(np.array(params["w"], np.float32), want, rtol=1e-3)
+
+
+def test_a_negative_or_infinite_weight_is_a_clear_error_on_every_rank(backend):
+    n, r = du.total_workers(backend), du.local_rank(backend)
+    for bad in (-1.0, float("inf"), float("nan")):
+        weight = bad if r == n - 1 else 3.0
+        with pytest.raises(
+            ValueError, match=rf"weight must be a finite number >= 0.*ranks \[{n - 1}\] passed"
+        ):
+            du.reduce_gradients(backend, {"a": mx.ones((3,))}, weight=weight)

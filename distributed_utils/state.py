@@ -1,0 +1,93 @@
+"""What an optimizer's state is, whoever holds it: the protocol that ``synchronize`` and
+checkpoints use. The library's optimizers (``DistributedOptimizer``, ``DiLoCo``) implement
+``OptimizerState``; ``of(optimizer)`` meets a plain ``mlx.optimizers`` optimizer with ``Plain``.
+
+A state is a tree of **scalars** (``step``, ``learning_rate``: the entries that are not dicts or
+lists) and **per-parameter entries**, each at its parameter's key: ``at_key(state,
+"layers.0.weight") == {"m": ..., "v": ...}``.
+"""
+
+from mlx.optimizers import MultiOptimizer, Optimizer
+
+
+class OptimizerState:
+    """What ``synchronize`` and checkpoints ask of an optimizer."""
+
+    def rule_name(self) -> str:
+        """The update rule's class name, which a checkpoint records and checks at load."""
+        raise NotImplementedError
+
+    def initialized(self) -> bool:
+        """Whether the state holds its per-parameter entries (after ``init`` or an update)."""
+        raise NotImplementedError
+
+    def shared_state(self) -> dict:
+        """The part of the state that every rank holds alike (``synchronize`` sends root's)."""
+        raise NotImplementedError
+
+    def set_shared_state(self, state: dict):
+        raise NotImplementedError
+
+    def whole_state(self) -> dict:
+        """Collective: the whole state, the same on every rank, as a checkpoint holds it (it loads
+        at any world size); before the first update too."""
+        raise NotImplementedError
+
+    def load_whole_state(self, state: dict, model=None):
+        """Set the state from ``whole_state()``'s form (``model``: for wrappers that set parameters)."""
+        raise NotImplementedError
+
+
+class Plain(OptimizerState):
+    """An ``mlx.optimizers.Optimizer``'s state, the same whole state on every rank."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def rule_name(self) -> str:
+        return type(self.optimizer).__name__
+
+    def initialized(self) -> bool:
+        if isinstance(self.optimizer, MultiOptimizer):
+            return all(Plain(o).initialized() for o in self.optimizer.optimizers)
+        return any(isinstance(v, (dict, list, tuple)) for v in self.optimizer.state.values())
+
+    def shared_state(self) -> dict:
+        return self.optimizer.state
+
+    def set_shared_state(self, state: dict):
+        self.optimizer.state = state
+
+    whole_state = shared_state
+
+    def load_whole_state(self, state: dict, model=None):
+        self.optimizer.state = state
+
+
+def of(optimizer) -> OptimizerState:
+    """``optimizer``'s state protocol: the optimizer itself, or a plain one's ``Plain``."""
+    return optimizer if isinstance(optimizer, OptimizerState) else Plain(optimizer)
+
+
+def scalars(state: dict) -> dict:
+    """The entries of ``state`` that are not per parameter (step, learning rate)."""
+    return {k: v for k, v in state.items() if not isinstance(v, (dict, list, tuple))}
+
+
+def at_key(tree, key: str):
+    """The value at ``key`` ("layers.0.weight") of a nested dict/list tree."""
+    for part in key.split("."):
+        tree = tree[int(part)] if isinstance(tree, list) else tree[part]
+    return tree
+
+
+def check_plain(optimizer, who: str, name: str = "the optimizer"):
+    """TypeError unless ``optimizer`` is a plain ``mlx.optimizers`` optimizer: one of this library's
+    would reduce again what its wrapper reduced."""
+    if isinstance(optimizer, OptimizerState):
+        raise TypeError(
+            f"{who}: {name} is already distributed ({type(optimizer).__name__}); pass the plain "
+            "mlx.optimizers optimizer (wrap it once)"
+        )
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"{who}: {name} must be an mlx.optimizers.Optimizer, got {optimizer!r}")
