@@ -188,25 +188,14 @@ class DistributedDataContainer:
         batch_size = self._batch_size(batch_size)
         epoch = self.epoch if epoch is None else operator.index(epoch)
         start = None if start is None else operator.index(start)
-        check_same(
-            self.backend,
-            f"{self._label}: batches()",
-            dict(
-                batch_size=batch_size,
-                shuffle=shuffle,
-                seed=seed,
-                epoch=epoch,
-                drop_last=drop_last,
-                exactly_once=exactly_once,
-                auto_share=share == "auto",
-                start=start,
-                position_loaded=self._resume,
-            ),
-        )
+        auto = isinstance(share, str) and share == "auto"
+        how = dict(shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last, exactly_once=exactly_once)
+        agreed = {**how, "batch_size": batch_size, "start": start, "position_loaded": self._resume}
+        agreed["share"] = "auto" if auto else None if share is None else "a number on each rank"
+        check_same(self.backend, f"{self._label}: batches()", agreed)
         if share is not None:
             batch_size = self._agreed_sizes(batch_size, share)
         before, skip = self._resumed_parts(epoch, batch_size)
-        start = skip if start is None else start
         if exactly_once and (drop_last or before):
             why = (
                 "drop_last skips items"
@@ -214,43 +203,28 @@ class DistributedDataContainer:
                 else "the epoch was begun at another world size or batch size"
             )
             raise ValueError(f"{self._label}: exactly_once cannot visit every item once here: {why}")
-        order = dict(shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last)
-        return self._sized_batches(order, before, batch_size, start, share == "auto", exactly_once)
+        return self._sized_batches(how, before, batch_size, skip if start is None else start, auto)
 
-    def _sized_batches(self, order_of, before, batch_size, start, auto, exactly_once=False):
+    def _sized_batches(self, how, before, batch_size, start, auto=False):
         """The epoch's batches (``batch_size``: one, or every rank's list), handed out by ``_counted``."""
-        mine = size_of(batch_size, self.rank)
-        if exactly_once:
-            order, real = exactly_once_indices(
-                self._n,
-                self.world_size,
-                self.rank,
-                batch_size,
-                shuffle=order_of["shuffle"],
-                seed=order_of["seed"],
-                epoch=order_of["epoch"],
-            )
+        mine, where = size_of(batch_size, self.rank), (self._n, self.world_size, self.rank, batch_size)
+        order_of = dict(shuffle=how["shuffle"], seed=how["seed"], epoch=how["epoch"], done=before)
+        if how["exactly_once"]:
+            order, real = exactly_once_indices(*where, **order_of)
             mask = mx.array(real.astype(np.float32))
         else:
-            order, real = (
-                epoch_indices(self._n, self.world_size, self.rank, batch_size, done=before, **order_of),
-                None,
-            )
+            order, real = epoch_indices(*where, drop_last=how["drop_last"], **order_of), None
         if self._lengths is not None:
             order = group_by_length(order, self._lengths, mine, real)
         if not 0 <= start <= -(-len(order) // mine):
             raise ValueError(
                 f"{self._label}: start={start} is not in 0..{-(-len(order) // mine)} (batches in this epoch)"
             )
-        batches = (
-            self._fetch(order[b : b + mine])
-            if real is None
-            else (self._fetch(order[b : b + mine]), mask[b : b + mine])
-            for b in range(start * mine, len(order), mine)
-        )
-        return self._counted(
-            order_of["epoch"], before, batch_size, start, batches, order_of if auto else None
-        )
+        starts = range(start * mine, len(order), mine)
+        batches = (self._fetch(order[b : b + mine]) for b in starts)
+        if real is not None:  # (batch, mask)
+            batches = zip(batches, (mask[b : b + mine] for b in starts))
+        return self._counted(how, before, batch_size, start, batches, auto)
 
     def _agreed_sizes(self, batch_size, share) -> list:
         """Collective: every rank's batch size for ``share`` (a number; "auto": the sizes last
@@ -264,11 +238,7 @@ class DistributedDataContainer:
                     and sum(sizes) == batch_size * self.world_size
                 ):
                     return sizes
-        ok = (
-            not isinstance(share, bool)
-            and isinstance(share, (int, float, np.number))
-            and 0 < share < float("inf")
-        )
+        ok = isinstance(share, (int, float, np.number)) and not isinstance(share, bool) and 0 < share < np.inf
         shares = allgather(self.backend, np.array([float(share) if ok else np.nan]))
         bad = [r for r, s in enumerate(shares) if not s > 0]
         if bad:
@@ -301,9 +271,10 @@ class DistributedDataContainer:
             )
         return self._auto_sizes
 
-    def _counted(self, epoch, before, batch_size, start, batches, auto=None):
-        """``batches``, keeping ``state_dict`` up to date; ``auto`` (the epoch's order, for
-        ``share="auto"``): re-split once the ranks' speeds are measured."""
+    def _counted(self, how, before, batch_size, start, batches, auto=False):
+        """``batches``, keeping ``state_dict`` up to date; ``auto``: re-split the rest of the epoch
+        (``how``) once the ranks' speeds are measured."""
+        epoch = how["epoch"]
         self.epoch, self._before, self._part = epoch, before, (self.world_size, batch_size, start)
         clock = []  # (seconds, seconds in collectives) at each hand-out
         for batch in batches:
@@ -313,7 +284,7 @@ class DistributedDataContainer:
                 sizes = self._measured_sizes(batch_size, clock[1:])
                 if sizes != batch_size:  # the rest of the epoch, split anew, from this batch on
                     done = (self.world_size, batch_size, self._part[2] - 1)
-                    yield from self._sized_batches(auto, [*before, done], sizes, 0, False)
+                    yield from self._sized_batches(how, [*before, done], sizes, 0)
                     return
             yield batch
         self.epoch, self._before, self._part = epoch + 1, [], (self.world_size, batch_size, 0)

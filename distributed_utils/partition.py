@@ -35,7 +35,7 @@ def batch_count(n: int, world_size: int, batch_size, drop_last: bool) -> int:
 def share_sizes(batch_size: int, shares) -> list:
     """Each rank's batch size for ``shares`` (positive numbers): ``N * batch_size * s_r / sum(s)``
     rounded, largest remainders first, to add up to ``N * batch_size``."""
-    shares = np.asarray(shares, np.float64)
+    shares = np.asarray(shares, np.float64) / np.max(shares)  # (their sum cannot overflow)
     exact = len(shares) * batch_size * shares / shares.sum()
     sizes = np.floor(exact).astype(np.int64)
     sizes[np.argsort(sizes - exact, kind="stable")[: len(shares) * batch_size - sizes.sum()]] += 1
@@ -57,26 +57,26 @@ def epoch_indices(
     """The global indices rank visits in this epoch, in order: ``samples_per_rank`` items of the
     epoch's order from the start of rank's shard, wrapping around; with every rank's batch size
     (a list) its slice of each global batch instead. ``done``: the parts ``(world_size,
-    batch_size, batches)`` visited before a restart; the rest is sharded so."""
+    batch_size, batches)`` visited before (a restart, a re-split); the rest is sharded so."""
     left = remaining_positions(n, done)
     return epoch_order(n, shuffle, seed, epoch)[
         left[_share(len(left), world_size, rank, batch_size, drop_last)]
     ]
 
 
-def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0):
-    """``(indices, real)``: rank's shard of the epoch's order, then its first item again (not
-    ``real``) up to as many batches as every rank: each item once across the ranks."""
-    order = epoch_order(n, shuffle, seed, epoch)
+def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, done=()):
+    """``(indices, real)``: as ``epoch_indices``, but rank's shard alone, then its first item
+    again (not ``real``) up to as many batches as every rank: each item once across the ranks."""
+    left = remaining_positions(n, done)
+    order, m = epoch_order(n, shuffle, seed, epoch)[left], len(left)
     if isinstance(batch_size, list):  # in global batches: the positions past the end are filler
-        positions = _global_batches(n, batch_size, rank, False)
-        real = positions < n
-        return order[np.where(real, positions, positions[0] % n)], real
-    start, stop = shard_bounds(n, world_size, rank)
-    total = batch_count(n, world_size, batch_size, False) * batch_size
-    mine = order[start:stop]
-    filler = np.full(total - len(mine), mine[0] if len(mine) else order[0])
-    return np.concatenate([mine, filler]), np.arange(total) < len(mine)
+        positions = _global_batches(m, batch_size, rank, False)
+    else:
+        start, stop = shard_bounds(m, world_size, rank)
+        total = batch_count(m, world_size, batch_size, False) * batch_size
+        positions = np.concatenate([np.arange(start, stop), np.full(total - (stop - start), m)])
+    real = positions < m
+    return order[np.where(real, positions, positions[0] % m if m and len(positions) else 0)], real
 
 
 def group_by_length(order, lengths, batch_size, real=None):

@@ -3,6 +3,7 @@ runs this file; collective checks gather every rank's view and assert on the sam
 hypothesis profile of tests/conftest.py makes every rank draw the same examples."""
 
 import collections
+import time
 import warnings
 
 import mlx.core as mx
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from test_optimizer import assert_same_parameters, dataset, loss_fn, mlp
 
 import distributed_utils as du
+from distributed_utils.data import AUTO_SHARE_STEPS
 from distributed_utils.partition import (
     batch_count,
     epoch_indices,
@@ -541,3 +543,51 @@ def test_shares_resume_exactly_and_bad_shares_fail_on_every_rank(backend):
     if n > 1:
         with pytest.raises(ValueError, match=r"give ranks \[1\] no item of the"):
             next(data.batches(1, share=1e-6 if rank == 1 else 1.0))
+        with pytest.raises(ValueError, match=r"give ranks \[1.*\] no item of the"):  # #26.11: no OverflowError
+            next(data.batches(1, share=1e308 if rank == 0 else 1.0))
+
+
+@pytest.mark.world(min_size=2)
+def test_a_share_on_some_ranks_only_is_a_clear_error_on_every_rank(backend):
+    """#26.6: share= on rank 0 and share=None elsewhere waited until the watchdog; now the
+    argument check names it."""
+    data = du.DistributedDataContainer(backend, np.arange(40))
+    for share in (2.0, "auto"):
+        with pytest.raises(ValueError, match=r"every rank needs the same share; ranks \[1"):
+            next(data.batches(2, share=share if du.local_rank(backend) == 0 else None))
+
+
+def slowed_epoch(backend, data, *, slow_rank, **kw):
+    """One epoch of ``data.batches(share="auto", **kw)``, with ``slow_rank`` sleeping 0.1 s in each
+    of the timed steps: its own work is then far slower than the others'."""
+    out = []
+    for batch in data.batches(share="auto", **kw):
+        if du.local_rank(backend) == slow_rank and len(out) <= AUTO_SHARE_STEPS:
+            time.sleep(0.1)  # (the slowness to measure, not a synchronization)
+        out.append(batch)
+    return out
+
+
+def test_auto_shares_give_the_slow_rank_less_and_every_rank_the_same_steps(backend):
+    n, rank = du.total_workers(backend), du.local_rank(backend)
+    data = du.DistributedDataContainer(backend, np.arange(400))
+    batches = slowed_epoch(backend, data, slow_rank=0, batch_size=4)
+    sizes = du.allgather(backend, [len(b) for b in batches])
+    assert len({len(s) for s in sizes}) == 1  # the same steps everywhere
+    k = AUTO_SHARE_STEPS  # the steps measured: equal batches
+    assert all(s[:k] == [4] * k for s in sizes)
+    after = [s[k] for s in sizes]  # then shares: the slow rank's smaller, 4 x N a step in all
+    assert sum(after) == 4 * n and (n == 1 or after[0] < 4 <= min(after[1:])), after
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_exactly_once_with_auto_shares_visits_every_item_once(backend, shuffle):
+    """#26.5: the re-split after the measurement kept the masks off and repeated items (104 of 101)."""
+    data = du.DistributedDataContainer(backend, np.arange(101))
+    batches = slowed_epoch(
+        backend, data, slow_rank=0, batch_size=4, exactly_once=True, shuffle=shuffle, seed=3
+    )
+    seen = [int(i) for batch, mask in batches for i, m in zip(batch.tolist(), mask.tolist()) if m]
+    everyone = sorted(i for s in du.allgather(backend, seen) for i in s)
+    assert everyone == list(range(101))
+    assert len({n for n in du.allgather(backend, len(batches))}) == 1
