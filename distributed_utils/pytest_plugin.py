@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from .backends import environment
+from .backends import contract
 
 
 def _in_job() -> bool:
-    return (environment.expected_world_size() or 1) > 1
+    return (contract.expected_world_size() or 1) > 1
 
 
 @pytest.hookimpl(tryfirst=True)  # before hypothesis's own plugin reads its seed
 def pytest_configure(config):
     if not _in_job():
         return
-    job, rank = environment.job_id(), environment.launched_rank()
+    job, rank = contract.job_id(), contract.launched_rank()
     if config.option.basetemp is None:
         job_dir = Path(tempfile.gettempdir()) / f"du-tests-{(job or str(os.getppid()))[:12]}"
         job_dir.mkdir(exist_ok=True)
@@ -40,13 +40,15 @@ def pytest_configure(config):
 def pytest_report_header(config):
     seed = getattr(config.option, "hypothesis_seed", None)
     if _in_job() and seed is not None:
-        return f"rank {environment.launched_rank()}: hypothesis seed {seed} (DU_HYPOTHESIS_SEED={seed} repeats it)"
+        return (
+            f"rank {contract.launched_rank()}: hypothesis seed {seed} (DU_HYPOTHESIS_SEED={seed} repeats it)"
+        )
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
     if report.failed and _in_job():
-        rank = environment.launched_rank()
+        rank = contract.launched_rank()
         item.session.shouldfail = f"rank {rank} failed {item.nodeid}: the other ranks cannot go on without it"
     return report

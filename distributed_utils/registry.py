@@ -4,7 +4,7 @@ what the launcher started) and the rank queries."""
 import socket
 
 from . import watchdog
-from .backends import BY_LAUNCH_NAME, AbstractBackend, MLXBackend, RingBackend, environment
+from .backends import BY_LAUNCH_NAME, AbstractBackend, MLXBackend, RingBackend, contract
 from .collectives import allgather, check_backend
 
 _BACKENDS = {}
@@ -17,7 +17,7 @@ def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> Abst
     never); ``debug``: check each collective across ranks first (default ``DU_DEBUG``).
     """
     if backend_type is None:
-        name = environment.launched_backend_name()
+        name = contract.launched_backend_name()
         if name is not None and name not in BY_LAUNCH_NAME:
             raise ValueError(f"DU_BACKEND={name!r} is not one of {sorted(BY_LAUNCH_NAME)}")
         backend_type = RingBackend if name is None else BY_LAUNCH_NAME[name]
@@ -28,22 +28,22 @@ def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> Abst
             backend = backend_type(**kwargs)
             _handshake(backend)
         _BACKENDS[backend_type] = backend
-        if environment.job_id() is not None:
+        if contract.job_id() is not None:
             watchdog.exit_with_launcher()
     return _BACKENDS[backend_type]
 
 
 def _handshake(backend):
     """Learn ``node_rank``; check that every rank is of this job (two jobs on one port cross-connect)."""
-    expected = environment.expected_world_size()
+    expected = contract.expected_world_size()
     if expected is not None and expected != backend.size:
-        raise environment.BackendUnavailableError(
-            f"{type(backend).__name__}: {environment.launcher_name()} started {expected} processes but this backend "
+        raise contract.BackendUnavailableError(
+            f"{type(backend).__name__}: {contract.launcher_name()} started {expected} processes but this backend "
             f"sees a world of {backend.size}; launch it with `du-launch --backend {backend.launch_name}`, or "
             f"initialize the backend this job was started for (du.initialize() with no argument: "
-            f"{environment.launched_backend_name()})"
+            f"{contract.launched_backend_name()})"
         )
-    hosts, jobs = zip(*allgather(backend, (socket.gethostname(), environment.job_id())))
+    hosts, jobs = zip(*allgather(backend, (socket.gethostname(), contract.job_id())))
     if len(set(jobs)) > 1:
         by_job = {job: [r for r, j in enumerate(jobs) if j == job] for job in dict.fromkeys(jobs)}
         raise RuntimeError(

@@ -16,16 +16,14 @@ import sys
 import threading
 import time
 
+from .backends.contract import SIGNAL_EXIT, WATCHDOG_EXIT, read_record
+
 GRACE_SECONDS = 3  # between SIGTERM and SIGKILL for the ranks left when one failed
 SETTLE_SECONDS = 0.5  # after a rank fails, for the others that fail with it, to tell cause from effect
 MPIRUN_GRACE = 5  # for mpirun to end the job once a rank failed (it may wait on a lost host)
-WATCHDOG_EXIT = 124  # watchdog.EXIT_CODE
 TAIL_LINES = 12  # of a failed rank's output, repeated in the failure's summary
 
-#: What ``distributed_utils.run`` prints (to stderr) when a rank's program ends well; not shown.
-FINISHED = re.compile(rb"^du-launch: rank (\d+) finished\n?$")
 _TAG = re.compile(rb"^\[\d+,(\d+)\]<std(?:out|err)>: ?")
-_WATCHDOG = re.compile(rb"^du watchdog: rank (\d+):(?:.*(this process itself was stopped))?")
 # mpirun's own report of the rank that ended the job (the lines it prints untagged)
 _MPIRUN_RANK = re.compile(rb"process rank (\d+)|Process name: \[\S+,(\d+)\]")
 _MPIRUN_SIGNAL = re.compile(rb"^signal (\d+) \(")
@@ -64,9 +62,10 @@ def _parent_death_signal(sig):
 
 
 class Report:
-    """What the output says about how the job went: the last lines of each rank, which ranks
-    finished, lost a peer, or were ended by the watchdog (and which of those had been
-    stopped), and, from mpirun's own report, which rank failed and how."""
+    """What the job's output says of it: the last lines of each rank; the records of the ranks
+    (``contract.record``): which finished, which the watchdog ended (and which of those had been
+    stopped), which were preempted; which lost a peer; and, from mpirun's own report, which rank
+    failed and how."""
 
     def __init__(self, world_size):
         self.world_size = world_size
@@ -74,25 +73,30 @@ class Report:
         self.finished, self.peer_lost, self.watchdog, self.stopped = set(), set(), set(), set()
         self.failed_rank = self.signal = None
         self.lost_host = self.not_started = False  # not_started: mpirun could not start the job
-        self.preempted = None  # the signal that preempted the job
+        self.preempted = None  # the signal to du-launch that preempted the job
+        self.preempted_ranks = {}  # the ranks whose du.preempted returned True: the signals each got
+        self.stopping = None  # the signal on which du-launch stops the job itself
         self.failure = threading.Event()
 
     def scan(self, line, rank, from_rank) -> bool:
         """Note what ``line`` says; return whether to show it."""
+        record = read_record(line)
+        if record is not None:
+            event, rank = record.get("event"), record.get("rank")
+            if event == "finished":
+                self.finished.add(rank)
+            elif event == "preempted":
+                self.preempted_ranks[rank] = record.get("signals", [])
+            elif event == "watchdog":
+                self.watchdog.add(rank)
+                if record.get("stopped"):
+                    self.stopped.add(rank)
+                self.failure.set()
+            return False
         if rank is not None:
-            m = FINISHED.match(line)
-            if m:
-                self.finished.add(int(m.group(1)))
-                return False
             self.tails[rank].append(line.decode(errors="replace").rstrip())
             if _PEER_LOST.search(line):
                 self.peer_lost.add(rank)
-        m = _WATCHDOG.match(line)
-        if m:
-            self.watchdog.add(int(m.group(1)))
-            if m.group(2):
-                self.stopped.add(int(m.group(1)))
-            self.failure.set()
         if not from_rank:  # mpirun's own lines
             m = _MPIRUN_RANK.search(line)
             if m and self.failed_rank is None:
@@ -179,6 +183,7 @@ def supervise(procs, world_size, tagged=False, report_dir=None, grace=0):
     Failure or None). ``tagged``: ``procs`` is one mpirun, which stops the ranks itself;
     ``grace``: see ``stop_on_signals``."""
     report = Report(world_size)
+    stop_on_signals(procs, report, grace)  # (before any output shows: a line seen means they are set)
     readers = {}  # rank (0 for mpirun) -> the threads reading its output
     for rank, p in enumerate(procs):
         for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
@@ -187,7 +192,6 @@ def supervise(procs, world_size, tagged=False, report_dir=None, grace=0):
             )
             t.start()
             readers.setdefault(rank, []).append(t)
-    stop_on_signals(procs, report, grace)
     failure = wait_mpirun(procs[0], report) if tagged else wait_ranks(procs, report, readers)
     deadline = time.monotonic() + GRACE_SECONDS  # for the output still in the pipes
     for t in [t for ts in readers.values() for t in ts]:  # (a process on a lost host may hold them open)
@@ -217,6 +221,7 @@ def wait_ranks(procs, report, readers):
         if all(code == 0 for _, code in exits):
             return None
         exited.wait_for(lambda: len(exits) == len(procs), timeout=SETTLE_SECONDS)
+    _unless_stopping(report)
     failures = [(r, c) for r, c in exits if c]
     deadline = time.monotonic() + SETTLE_SECONDS  # their last words say whether they only lost a peer
     for t in [t for r, _ in failures for t in readers[r]]:
@@ -231,12 +236,11 @@ def wait_ranks(procs, report, readers):
             f"(ranks {sorted(report.peer_lost)} lost it as a peer); stopping the other ranks"
         )
         stop(procs)
-        code = failures[0][1]
-        return Failure(128 - code if code < 0 else code, early[0], "left the job early (exit code 0)")
+        return Failure(exit_code(failures[0][1]), early[0], "left the job early (exit code 0)")
     rank, code = cause or failures[0]
     log(f"rank {rank} {how_it_ended(code)}; stopping the other ranks")
     stop(procs)
-    return Failure(128 - code if code < 0 else code, rank, how_it_ended(code))
+    return Failure(exit_code(code), rank, how_it_ended(code))
 
 
 def wait_mpirun(proc, report):
@@ -251,8 +255,8 @@ def wait_mpirun(proc, report):
                 stop([proc], signals=(signal.SIGKILL,))
                 code = WATCHDOG_EXIT if report.watchdog else 1
                 return Failure(code, _first(report.stopped) or report.failed_rank, how_it_ended(code))
-    code = proc.returncode
-    code = 128 - code if code < 0 else code
+    _unless_stopping(report)
+    code = exit_code(proc.returncode)
     if code == 0 and report.lost_host:  # mpirun says so, then exits 0
         log("mpirun lost a host and ended the job")
         return Failure(1, None, "was on a host that mpirun lost")
@@ -267,6 +271,18 @@ def wait_mpirun(proc, report):
 
 def _first(ranks):
     return min(ranks) if ranks else None
+
+
+def exit_code(returncode) -> int:
+    """A process's exit code as a shell gives it: 128 + N for signal N (Popen's -N)."""
+    return SIGNAL_EXIT - returncode if returncode < 0 else returncode
+
+
+def _unless_stopping(report):
+    """If du-launch is stopping the job itself (``stop_on_signals``), the ranks it stops failed
+    for no fault of theirs: wait for the thread that stops them to end du-launch."""
+    if report.stopping is not None:
+        threading.Event().wait()
 
 
 def how_it_ended(code) -> str:
@@ -288,12 +304,13 @@ def show_lost_reports(report, report_dir):
         if m and int(m.group(1)) not in report.watchdog:
             with open(os.path.join(report_dir, name), "rb") as f:
                 for line in f.read().splitlines(keepends=True):
-                    report.scan(line, int(m.group(1)), True)
-                    log(f"[rank {m.group(1)}] {line.decode(errors='replace').rstrip()}")
+                    if report.scan(line, int(m.group(1)), True):
+                        log(f"[rank {m.group(1)}] {line.decode(errors='replace').rstrip()}")
 
 
 def stop(procs, signals=(signal.SIGTERM, signal.SIGKILL)):
-    """Signal each process's group, waiting up to GRACE_SECONDS after each signal."""
+    """Signal every process's group at once, then wait up to GRACE_SECONDS for them all, for
+    each signal in turn: the job ends within 2 x GRACE_SECONDS whatever its size."""
     for sig in signals:
         for p in procs:
             if p.poll() is None:
@@ -302,9 +319,10 @@ def stop(procs, signals=(signal.SIGTERM, signal.SIGKILL)):
                     os.killpg(p.pid, signal.SIGCONT)  # a stopped process acts on signals only once continued
                 except ProcessLookupError:
                     pass
+        deadline = time.monotonic() + GRACE_SECONDS
         for p in procs:
             try:
-                p.wait(timeout=GRACE_SECONDS)
+                p.wait(timeout=max(0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
 
@@ -313,13 +331,15 @@ def stop_on_signals(procs, report, grace=0):
     """Ctrl-C or SIGHUP (a closed terminal or ssh session) to the launcher stops the whole job.
     SIGTERM or SIGUSR1 (a scheduler's preemption) is forwarded to the ranks as SIGUSR1 (see
     ``preemption.py``; mpirun forwards it to its ranks), and the job gets ``grace`` seconds to
-    end by itself before it is stopped (0: SIGTERM stops it at once). (A SIGKILL cannot be
+    end by itself before it is stopped (0: SIGTERM stops it at once). Stopped so, the job
+    exits 128 + the signal du-launch received, and no rank is blamed. (A SIGKILL cannot be
     caught: then the ranks stop themselves, see ``spawn``.)"""
 
-    def handler(signum, frame):
-        log(f"received {signal.Signals(signum).name}; stopping all ranks")
+    def stop_all(signum, why):
+        report.stopping = signum
+        log(f"{why}; stopping all ranks")
         stop(procs)
-        os._exit(128 + signum)  # from any thread's wait: no restart after this
+        os._exit(exit_code(-signum))  # from any thread's wait: no restart after this
 
     def preempt(signum, frame):
         if report.preempted is not None:
@@ -332,18 +352,17 @@ def stop_on_signals(procs, report, grace=0):
         for p in procs:
             if not getattr(p, "remote", False):  # (remote ranks hear it from du.preempted's collective)
                 _signal(p.pid, signal.SIGUSR1)
-        timer = threading.Timer(grace, out_of_grace, (signum,))
+        why = f"the job did not end within the grace period ({grace:g} s)"
+        timer = threading.Timer(grace, stop_all, (signum, why))
         timer.daemon = True
         timer.start()
 
-    def out_of_grace(signum):
-        log(f"the job did not end within the grace period ({grace:g} s); stopping all ranks")
-        stop(procs)
-        os._exit(128 + signum)
-
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
-            signal.signal(sig, preempt if grace and sig in (signal.SIGTERM, signal.SIGUSR1) else handler)
+            preempting = grace and sig in (signal.SIGTERM, signal.SIGUSR1)
+            signal.signal(
+                sig, preempt if preempting else lambda n, _: stop_all(n, f"received {signal.Signals(n).name}")
+            )
 
 
 def _signal(pid, sig):

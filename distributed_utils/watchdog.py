@@ -2,7 +2,7 @@
 
 Every collective runs inside ``Collective(...)``: a sequence number and an entry in a table of
 regions in flight, which a daemon thread checks. Past its timeout an entry is reported, and
-after ``GRACE`` seconds (for the other ranks' reports) ``os._exit(EXIT_CODE)`` ends the process
+after ``GRACE`` seconds (for the other ranks' reports) ``os._exit(WATCHDOG_EXIT)`` ends the process
 (the main thread is stuck in C code); the launcher stops the other ranks.
 """
 
@@ -14,9 +14,8 @@ import threading
 import time
 
 from .arrays import show, signature
-from .backends.environment import launched_rank, report_path
+from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path
 
-EXIT_CODE = 124  # like coreutils' timeout(1)
 DEFAULT_TIMEOUT = 300.0
 GRACE = 2.0
 _POLL = 0.25
@@ -169,8 +168,10 @@ def _watch_loop():
     while True:
         time.sleep(_POLL)
         if _state.parent is not None and os.getppid() != _state.parent:
-            _say(f"du watchdog: rank {_state.rank}: the launcher (pid {_state.parent}) is gone; exiting")
-            os._exit(EXIT_CODE)
+            rank = launched_rank() if _state.rank is None else _state.rank
+            _say(f"du watchdog: rank {rank}: the launcher (pid {_state.parent}) is gone; exiting")
+            _say(record("launcher-gone", rank=rank))
+            os._exit(WATCHDOG_EXIT)
         now = time.monotonic()
         if now - last > max(1.0, 8 * _POLL):  # this process did not run (SIGSTOP, a frozen VM):
             _state.stopped.append((last, now))  # its own waits are not the others' fault
@@ -192,8 +193,9 @@ def _expire(entries):
             f"du watchdog: rank {rank}: {name} waiting since {since} ({now - e.start:.1f} s, timeout {e.timeout:g} s; "
             f"last finished collective: #{_state.done}); exiting{also}"
         )
+        _say(record("watchdog", rank=rank, waiting=name, stopped=stopped > 1))
     time.sleep(GRACE)
-    os._exit(EXIT_CODE)
+    os._exit(WATCHDOG_EXIT)
 
 
 def _say(message):

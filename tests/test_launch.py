@@ -158,7 +158,11 @@ def test_a_hostfile_line_that_is_not_a_host_is_an_error(tmp_path):
 def test_a_hostfile_host_that_does_not_resolve_is_a_clear_error(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("127.0.0.1\nno-such-host.invalid\n")  # (.invalid never resolves: RFC 2606)
-    for check in ([], ["--check"]):
+    for check in (
+        [],
+        ["--check"],
+        ["--check", "--min-ranks", "1"],
+    ):  # (a check names every host it cannot check)
         run = subprocess.run(
             [
                 sys.executable,
@@ -267,15 +271,61 @@ def test_check_on_one_machine_measures_the_job_and_finds_a_missing_script(backen
     assert "the script no/such/script.py is missing" in run.stdout, run.stdout
 
 
+@pytest.mark.parametrize(
+    "command, missing",
+    [
+        (["python", "-u", "missing.py"], "the script missing.py is missing"),  # #26.10: after an option
+        (["python", "-X", "dev", "-W", "ignore", "missing.py"], "the script missing.py is missing"),
+        (["python", "-m", "no_such_module"], "the module no_such_module is missing"),
+        (["python", "-mno_such.module"], "the module no_such.module is missing"),
+        (["./no-such-program"], "the program ./no-such-program is missing"),
+        (["no-such-program-on-path"], "the program no-such-program-on-path is missing"),
+    ],
+)
+def test_check_finds_what_the_command_runs_however_it_is_written(command, missing):
+    run = launch(1, "ring", ["--check", *command], timeout=60)
+    assert run.returncode == 1 and missing in run.stdout, run.stdout
+
+
+def test_check_finds_a_script_after_options_and_a_module_by_import():
+    for command in (
+        ["python", "-u", "-X", "dev", "examples/digits.py"],
+        ["python", "-m", "distributed_utils.run"],
+    ):
+        run = launch(1, "ring", ["--check", *command], timeout=120)
+        assert run.returncode == 0 and " exists" in run.stdout, run.stdout
+
+
+def test_check_names_the_python_that_cannot_import_the_library_and_why(tmp_path):
+    """The probe ran, but this Python cannot import the library (its mlx is missing): not
+    'unreachable', and the whole reason."""
+    bare = tmp_path / "python3"
+    bare.symlink_to(sys._base_executable)  # the interpreter without this venv's packages
+    run = launch(1, "ring", ["--check", str(bare), "-c", "pass"], timeout=60)
+    assert run.returncode == 1, run.stdout
+    said = f"du-launch: host 127.0.0.1 (ranks [0]) cannot run the job with Python {bare}: `{bare} -m distributed_utils.preflight` failed (exit code 1):"
+    assert said in run.stdout and "No module named 'mlx'" in run.stdout, run.stdout
+    assert "Traceback" in run.stdout and "unreachable" not in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("backend", ["mpi", "mlx-mpi"])
+def test_a_failing_rank_started_with_interpreter_options_ends_the_mpi_job(backend):
+    """``python -u ...`` runs under distributed_utils.run too: its failure aborts the job, not a hang."""
+    code = "import sys, distributed_utils as du; b = du.initialize(); sys.exit(3 if du.local_rank(b) == 1 else 0)"
+    run = launch(2, backend, ["python", "-u", "-c", code], timeout=60)
+    assert run.returncode == 3 and "rank 1 exited with code 3" in run.stdout, run.stdout
+
+
 def test_a_watchdog_report_of_a_stopped_rank_names_it_as_the_cause():
     """The reports of d11 (a rank stopped inside a collective, then continued): the stopped rank
     is named, and one that was not stopped is not."""
+    from distributed_utils.backends.contract import record
     from distributed_utils.supervise import Report
 
     report = Report(3)
-    for rank, tail in ((0, ""), (1, "; this process itself was stopped for 6.2 s of it"), (2, "")):
-        line = f"du watchdog: rank {rank}: collective #907 bcast(root=0) waiting since 12:30:00 (8.1 s); exiting{tail}\n"
-        report.scan(line.encode(), rank, True)
+    for rank in range(3):  # the records the ranks' watchdogs write (the rank's line for people beside each)
+        line = record("watchdog", rank=rank, waiting="collective #907 bcast(root=0)", stopped=rank == 1)
+        assert not report.scan(line.encode() + b"\n", rank, True)  # (read, and not shown)
     assert report.watchdog == {0, 1, 2} and report.stopped == {1}
     assert (
         "ranks [1] had been stopped (SIGSTOP or frozen) while waiting: the cause" in report.watchdog_summary()

@@ -636,7 +636,7 @@ def test_a_preempted_job_saves_once_at_one_step_and_resumes_bit_identical(
     assert whole.returncode == 0, whole.stdout
     code, out = preempted_run(backend, tmp_path, signal_the_launcher)
     step = 7 if signal_the_launcher else 9
-    assert code == (75 if signal_the_launcher else 0), out
+    assert code == 75, out  # #26.8: a signal that reached one rank alone preempts the job too (it exited 0)
     assert sorted(re.findall(r"\[rank (\d)\] preempted at step (\d+): saved", out)) == [
         ("0", str(step)),
         ("1", str(step)),
@@ -644,6 +644,9 @@ def test_a_preempted_job_saves_once_at_one_step_and_resumes_bit_identical(
     if signal_the_launcher:
         assert "du-launch: received SIGTERM: forwarded to the ranks as SIGUSR1" in out, out
         assert "du-launch: the job was preempted (SIGTERM) and ended within the grace period" in out, out
+    else:
+        said = "du-launch: the job was preempted (SIGTERM to rank 1) and ended within the grace period"
+        assert said in out, out
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
         f"step-{s:012d}.safetensors" for s in (5, step)
     ]
@@ -656,3 +659,55 @@ def test_a_preempted_job_saves_once_at_one_step_and_resumes_bit_identical(
             resumed.stdout
         )
     assert_same_safetensors(tmp_path / "whole.safetensors", tmp_path / "resumed.safetensors")
+
+
+STUBBORN = """
+import signal, time
+for sig in (signal.SIGTERM, signal.SIGUSR1):  # a rank that ignores both: only SIGKILL ends it
+    signal.signal(sig, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("backend,n", [("ring", 6), ("mpi", 2)])
+def test_ranks_that_outlive_the_grace_period_are_stopped_at_once_and_no_rank_is_blamed(backend, n):
+    """#26.7: after --grace, the ring launcher stopped ranks one at a time (3 s each: 19 s for 6
+    ranks with --grace 1), exited 137 or 143 by chance, and blamed rank 0 for its own SIGKILL.
+    Now every rank is signalled at once (SIGTERM, 3 s, SIGKILL), du-launch exits 128 + the
+    signal it received, and names no rank."""
+    argv = [
+        sys.executable,
+        "-m",
+        "distributed_utils.launch",
+        "-n",
+        str(n),
+        "--backend",
+        backend,
+        "--grace",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        [*argv, "python", "-c", STUBBORN],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    killer = threading.Timer(120, proc.kill)  # a bound, not a synchronization
+    killer.start()
+    lines, ready = [], 0
+    for line in proc.stdout:  # the ranks say when they run
+        lines.append(line)
+        ready += line.endswith("] ready\n")
+        if ready == n:
+            signaled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    code, took, out = proc.wait(), time.monotonic() - signaled, "".join(lines)
+    killer.cancel()
+    assert code == 128 + signal.SIGTERM, out
+    assert "the job did not end within the grace period (1 s); stopping all ranks" in out, out
+    assert not re.search(r"rank \d+ (was killed|exited)", out), out
+    assert took < 1 + 2 * 3 + 4, (took, out)  # grace + SIGTERM's 3 s + SIGKILL, whatever n (19 s before)

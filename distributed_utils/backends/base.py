@@ -19,8 +19,9 @@ class AbstractBackend(abc.ABC):
 
     rank: int
     size: int
-    #: The launcher's name for this backend (``du-launch --backend NAME``).
+    #: The launcher's name for this backend (``DU_BACKEND``; ``du-launch --backend NAME`` if it starts it).
     launch_name: str = ""
+    started_by_du_launch: bool = False
     #: This process's rank among the processes on its host; set by ``initialize``.
     node_rank: int = 0
     #: Whether ``reduce_scatter`` is the transport's own (half an all-reduce's traffic).

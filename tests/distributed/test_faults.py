@@ -11,6 +11,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
+from test_optimizer import dataset, loss_fn, mlp
 
 import distributed_utils as du
 from distributed_utils import watchdog
@@ -244,3 +245,28 @@ def test_object_collectives_survive_pickling(backend):
     """The agreement step of object collectives leaves ordinary objects alone."""
     obj = {"rank": backend.rank, "bytes": pickle.dumps(1)}
     assert du.allgather(backend, obj) == [{"rank": r, "bytes": pickle.dumps(1)} for r in range(backend.size)]
+
+
+@MULTI_RANK
+def test_a_rank_one_collective_ahead_of_an_object_gather_is_named_not_a_huge_allocation(backend):
+    """Rank 0 makes one collective more (an allgather of two int64s) while the others gather
+    objects: they read its numbers as the sizes of its object (numpy then tried to allocate
+    exbibytes); now they see that rank 0 announced no object and say so."""
+    if backend.rank == 0:
+        du.allgather(backend, np.array([2**60, 2**60]))  # the extra collective
+        return
+    with pytest.raises(
+        du.CollectiveMismatchError, match=r"ranks \[0\] sent no object size: they are in another"
+    ):
+        du.allgather(backend, {"an": "object"})
+
+
+@MULTI_RANK
+def test_a_distributed_optimizer_with_other_settings_on_one_rank_fails_on_every_rank(backend):
+    """#27: the settings are checked with the parameters (another accumulate_steps on one rank
+    made it reduce at other calls, and the job hang)."""
+    model = mlp()
+    opt = du.DistributedOptimizer(backend, optim.SGD(0.1), accumulate_steps=2 if backend.rank == 1 else 1)
+    grads = nn.value_and_grad(model, loss_fn)(model, *dataset(0, 4))[1]
+    with pytest.raises(ValueError, match=r"every rank needs the same accumulate_steps; ranks \[1\] differ"):
+        opt.update(model, grads)

@@ -1,6 +1,8 @@
-"""The contract between the launcher and the backends (its variables: docs/architecture.md,
-"The launcher's contract"): how a process knows it was launched, where the MPI library is,
-and the one order in which MLX's MPI and mpi4py can share it.
+"""The contract between du-launch and its ranks, in one place: the variables du-launch sets
+(``job_environment``; read by the functions below), the exit codes, and the records a rank writes
+for du-launch (one JSON line each, ``record`` / ``read_record``; the lines for people stay beside
+them). And what a transport needs of the environment: the MPI library and its initialization
+order, the ring's addresses. docs/architecture.md has the table.
 """
 
 import json
@@ -8,9 +10,75 @@ import os
 import shutil
 import socket
 import sys
+import uuid
 from pathlib import Path
 
 from .base import BackendUnavailableError
+
+#: The exit codes: a rank the watchdog ended (as timeout(1)); a job preempted that ended in time
+#: (sysexits' EX_TEMPFAIL, "try again later", for a scheduler to requeue on); 128 + N for signal N.
+WATCHDOG_EXIT = 124
+PREEMPTED_EXIT = 75
+SIGNAL_EXIT = 128
+
+_RECORD = "du-launch-record "
+
+
+def job_environment(
+    backend: str, world_size: int, report_dir: str, timeout=None, debug=False, restart=0
+) -> dict:
+    """What every rank's environment gets on top of the launcher's own (the ring's ranks: and
+    ``ring_rank_environment``'s)."""
+    env = {k: os.environ[k] for k in ("DU_TIMEOUT", "DU_DEBUG") if k in os.environ}
+    env.update(
+        DU_REPORT_DIR=report_dir, DU_BACKEND=backend, DU_WORLD_SIZE=str(world_size), DU_RESTART=str(restart)
+    )
+    env.update(DU_JOB_ID=uuid.uuid4().hex, PYTHONUNBUFFERED="1")
+    # so that `python` in the command is the interpreter that runs du-launch
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    if os.isatty(1) and "COLUMNS" not in os.environ:  # for progress bars: the width left after "[rank R] "
+        env["COLUMNS"] = str(max(20, shutil.get_terminal_size().columns - len(f"[rank {world_size - 1}] ")))
+    if timeout is not None:
+        env["DU_TIMEOUT"] = str(timeout)
+    if debug:
+        env["DU_DEBUG"] = "1"
+    if backend in ("mpi", "mlx-mpi"):
+        lib = os.environ.get("MLX_MPI_LIBNAME") or libmpi_path()
+        if lib:
+            env["MLX_MPI_LIBNAME"] = lib
+        # A rank that aborts because it lost a peer waits a second first, so that mpirun hears
+        # of the rank that died (the cause) before it hears of this one (an effect).
+        env["OMPI_MCA_mpi_abort_delay"] = os.environ.get("OMPI_MCA_mpi_abort_delay", "1")
+        # Two TCP connections between two hosts: over a 1 Gbit/s link one all-reduce took 1.43x
+        # the wire's time with one, 1.06x with two (100 Mbit/s: 1.96x, 1.14x; benchmarks/links.py).
+        env["OMPI_MCA_btl_tcp_links"] = os.environ.get("OMPI_MCA_btl_tcp_links", "2")
+    return env
+
+
+def ring_rank_environment(rank: int, hostfile=None) -> dict:
+    """A ring rank's own: its rank, and the addresses of every rank (a ring of one has none)."""
+    return {"MLX_RANK": str(rank), **({"MLX_HOSTFILE": hostfile} if hostfile else {})}
+
+
+def record(event: str, **fields) -> str:
+    """The line that tells du-launch of ``event`` (written by this rank; du-launch reads and hides it)."""
+    return _RECORD + json.dumps({"event": event, "rank": launched_rank(), **fields})
+
+
+def say_record(event: str, **fields):
+    """Write ``record(event, ...)`` to stderr, when du-launch started this process."""
+    if job_id() is not None:
+        print(record(event, **fields), file=sys.stderr, flush=True)
+
+
+def read_record(line: bytes):
+    """The record (a dict) that ``line`` holds, or None."""
+    if not line.startswith(_RECORD.encode()):
+        return None
+    try:
+        return json.loads(line[len(_RECORD) :])
+    except ValueError:
+        return None
 
 
 def listen_error(ip: str, port: int):
@@ -41,9 +109,10 @@ def _first_set(*names, default=None):
     return next((os.environ[name] for name in names if name in os.environ), default)
 
 
-def launched_rank() -> str:
+def launched_rank():
     """This process's rank as the launcher set it (before any backend knows it), or "?"."""
-    return _first_set("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", default="?")
+    rank = _first_set("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", default="?")
+    return int(rank) if rank.isdigit() else rank
 
 
 def report_path():
