@@ -167,9 +167,7 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     evaluated before the clock starts, its result inside (unless ``wait=False``), after the
     debug check; a transport's error names the rank and the collective. While MLX traces a
     function, nothing is evaluated or checked."""
-    if (
-        _in_flight is not None
-    ):  # a start_sum not yet waited for: the transport carries one collective at a time
+    if _in_flight is not None:  # a start_sum not yet waited for: the transport carries one at a time
         finish(_in_flight)
     tracing = not (isinstance(arrays, np.ndarray) or evaluate(arrays))  # (numpy needs no evaluation)
     with watchdog.Collective(backend.rank, what, details, arrays) as call:
@@ -184,8 +182,8 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
             out = primitive(arrays)
             if wait and not isinstance(out, np.ndarray):
                 evaluate(out)
-        except RuntimeError as e:  # MLX's and mpi4py's (the debug check's is raised above)
-            if call is None:  # nested: the outermost collective names it
+        except RuntimeError as e:  # MLX's and mpi4py's
+            if call is None or isinstance(e, CollectiveMismatchError):  # (nested: the outermost names it)
                 raise
             raise RuntimeError(
                 f"rank {backend.rank}: collective {call.text(limit=3)} failed in the transport: {e} "

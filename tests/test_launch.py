@@ -47,9 +47,11 @@ def test_every_rank_runs_and_prefixes_its_output(backend, n):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_failing_rank_fails_the_job_instead_of_hanging(backend):
+def test_a_failing_rank_fails_the_job_with_its_code_and_is_named(backend):
     run = launch(3, backend, ["python", "-c", FAIL_ON_RANK_1], timeout=60)
     assert run.returncode == 7, run.stdout
+    stopped = "stopping the other ranks" if backend == "ring" else "mpirun stopped the other ranks"
+    assert f"du-launch: rank 1 exited with code 7; {stopped}" in run.stdout, run.stdout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -57,11 +59,6 @@ def test_an_exception_fails_the_job_with_its_traceback(backend):
     run = launch(2, backend, ["python", "-c", RAISE_ON_LAST], timeout=60)
     assert run.returncode == 1, run.stdout
     assert "[rank 1] RuntimeError: deliberate failure" in run.stdout
-
-
-def test_ring_names_the_failed_rank():
-    run = launch(3, "ring", ["python", "-c", FAIL_ON_RANK_1], timeout=60)
-    assert "du-launch: rank 1 exited with code 7; stopping the other ranks" in run.stdout
 
 
 @pytest.mark.parametrize("backend", ["ring", "mpi"])

@@ -99,8 +99,11 @@ def test_bcast_is_bit_exact(backend):
             bits if du.local_rank(backend) == 0 else [0x7FC00123, *specials[1:].view(np.uint32)], np.uint32
         )
     ).all()
-    out64 = du.bcast(backend, np.array([-0.0, np.nan]) * (du.local_rank(backend) == 0 or 1), root=0)
-    assert np.signbit(out64[0]) and np.isnan(out64[1])
+    mine = (
+        np.array([-0.0, np.nan]) if du.local_rank(backend) == 0 else np.array([1.0, 2.0])
+    )  # (differs off root)
+    out64 = du.bcast(backend, mine, root=0)
+    assert np.signbit(out64[0]) and out64[0] == 0 and np.isnan(out64[1])
 
 
 def test_zero_d_empty_numpy_and_scalars(backend):

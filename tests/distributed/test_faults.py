@@ -14,7 +14,6 @@ import pytest
 from test_optimizer import dataset, loss_fn, mlp
 
 import distributed_utils as du
-from distributed_utils import watchdog
 from distributed_utils.tree import TreeMismatchError
 
 MULTI_RANK = pytest.mark.world(min_size=2)
@@ -230,13 +229,13 @@ def test_batches_with_a_different_batch_size_on_one_rank_raise_on_every_rank(bac
 @pytest.mark.world(backend=du.MLXBackend)
 def test_debug_mode_inside_compile_when_ranks_trace_at_different_times(backend):  # #7
     step = mx.compile(lambda x: du.allreduce(backend, mx.ones(4) * mx.sum(x), "sum"))
-    watchdog.configure(debug=True)
+    du.initialize(debug=True)
     try:
         for length in (3, 3 + backend.rank):  # the second call retraces on ranks > 0 only
             out = step(mx.ones(length))
             mx.eval(out)
     finally:
-        watchdog.configure(debug=False)
+        du.initialize(debug=False)
     want = sum(3 + r for r in range(backend.size))
     assert out.tolist() == [want] * 4
 

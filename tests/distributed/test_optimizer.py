@@ -194,6 +194,7 @@ def test_frozen_layers_stay_frozen_and_the_rest_trains_like_one_process(backend)
 SHAPES = [(), (1,), (7,), (3, 5), (33, 17), (2, 3, 4)]
 
 
+@pytest.mark.world(min_size=2)  # (in a world of one nothing travels: a value compared with itself)
 @pytest.mark.parametrize("bucket_bytes", [0, 16, 1000, 2**30, None])
 @pytest.mark.parametrize("op", ["avg", "sum"])
 def test_reduce_gradients_matches_the_mean_or_sum_for_every_bucketing(backend, bucket_bytes, op):
@@ -223,6 +224,7 @@ def test_reduce_gradients_matches_the_mean_or_sum_for_every_bucketing(backend, b
     )
 
 
+@pytest.mark.world(min_size=2)  # (in a world of one nothing travels: a value compared with itself)
 @pytest.mark.parametrize("op", ["avg", "sum"])
 def test_arrays_sharing_memory_or_not_contiguous_are_reduced_once_each(backend, op):
     rank = du.local_rank(backend)
@@ -247,6 +249,7 @@ def test_arrays_sharing_memory_or_not_contiguous_are_reduced_once_each(backend, 
         np.testing.assert_allclose(np.array(out[key]), expect, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.world(min_size=2)  # (in a world of one nothing travels: a value compared with itself)
 def test_ranks_whose_arrays_share_memory_differently_still_agree(backend):
     rank = du.local_rank(backend)
     big = contribution(rank, (1536, 1024))  # MPIBackend: rank 0 reduces "b" (it aliases "a") in a copy
@@ -270,6 +273,7 @@ def test_mpi_reduces_evaluated_gradients_in_place(backend):
     np.testing.assert_allclose(np.array(grads["w"]), mean_over_ranks(backend, (64, 64)), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.world(min_size=2)  # (in a world of one nothing travels: a value compared with itself)
 @pytest.mark.parametrize("compression", [mx.float16, mx.bfloat16], ids=str)
 @pytest.mark.parametrize("op", ["avg", "sum"])
 def test_compression_is_close_to_float32_but_rounded(backend, compression, op):
@@ -286,6 +290,7 @@ def test_compression_is_close_to_float32_but_rounded(backend, compression, op):
             assert not mx.array_equal(out[key], exact[key]).item()
 
 
+@pytest.mark.world(min_size=2)  # (in a world of one nothing travels: a value compared with itself)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_int8_compression_is_within_half_a_level_of_the_exact_mean(backend, weighted):
     """Each array travels as int8 in 127 // N levels of its largest magnitude over the ranks:
@@ -311,6 +316,7 @@ def test_int8_compression_is_within_half_a_level_of_the_exact_mean(backend, weig
     assert (np.array(out["zero"]) == 0).all()
 
 
+@pytest.mark.world(min_size=2)  # (in a world of one nothing travels: a value compared with itself)
 def test_compression_pre_divides_so_that_large_sums_do_not_overflow(backend):
     n = du.total_workers(backend)
     grads = {"w": mx.full((8,), 60000.0)}  # float16's largest value is 65504

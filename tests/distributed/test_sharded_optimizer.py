@@ -103,23 +103,38 @@ def test_each_rank_holds_its_part_of_the_state(backend):
     assert du.allreduce(backend, held, "sum") == total
 
 
+def assert_bit_identical(a, b):
+    for (key, pa), (_, pb) in zip(tree_flatten(a.parameters()), tree_flatten(b.parameters())):
+        assert mx.array_equal(pa, pb).item(), key
+
+
 @pytest.mark.parametrize("k", [2, 3])
 def test_sharded_accumulation_trains_like_one_process(backend, k):
+    """Like one process (to float tolerance), and bit for bit like the replicated optimizer."""
     full, mine = reference_and_mine(backend, batch=2, steps=3, k=k)
     expected = train(mlp(), OPTIMIZERS["adamw-schedule"](), full)
     opt = sharded(backend, OPTIMIZERS["adamw-schedule"](), accumulate_steps=k)
-    assert_same_parameters(train(mlp(), opt, mine), expected)
+    got = train(mlp(), opt, mine)
+    assert_same_parameters(got, expected)
     assert opt.step.item() == 3
+    replicated = du.DistributedOptimizer(backend, OPTIMIZERS["adamw-schedule"](), accumulate_steps=k)
+    assert_bit_identical(got, train(mlp(), replicated, mine))
 
 
 def test_sharded_sum_and_compression(backend):
     n = du.total_workers(backend)
     full, mine = reference_and_mine(backend, batch=2, steps=3)
     expected = train(mlp(), optim.SGD(0.1 / n), full)  # a sum of N means at lr/N: the mean at lr
-    got = train(mlp(), sharded(backend, optim.SGD(0.1 / n / n), op="sum"), mine)
-    assert_same_parameters(got, expected)
-    got = train(mlp(), sharded(backend, optim.SGD(0.1 / n), compression=mx.bfloat16), mine)
-    assert_same_parameters(got, expected, rtol=2e-2, atol=2e-3)
+    for options, tolerance in (
+        ({"op": "sum"}, {}),
+        ({"compression": mx.bfloat16}, dict(rtol=2e-2, atol=2e-3)),
+    ):
+        lr = 0.1 / n / n if "op" in options else 0.1 / n
+        got = train(mlp(), sharded(backend, optim.SGD(lr), **options), mine)
+        assert_same_parameters(got, expected, **tolerance)
+        assert_bit_identical(
+            got, train(mlp(), du.DistributedOptimizer(backend, optim.SGD(lr), **options), mine)
+        )
 
 
 def test_frozen_parameters_are_neither_updated_nor_in_the_state(backend):
@@ -143,6 +158,12 @@ def test_a_compiled_step_with_the_sharded_update_inside(backend):
         mx.eval(step(x, y), model.parameters(), opt.state)
     assert_same_parameters(model, expected)
     assert opt.step.item() == 4
+    replicated, rule = mlp(), du.DistributedOptimizer(backend, OPTIMIZERS["adamw-schedule"]())
+    rule.init(replicated.trainable_parameters())
+    step = compiled_step(replicated, rule)
+    for x, y in mine:
+        mx.eval(step(x, y), replicated.parameters(), rule.state)
+    assert_bit_identical(model, replicated)
 
 
 def test_a_checkpoint_of_a_sharded_state_loads_replicated_or_sharded_and_resumes(backend, tmp_path):
