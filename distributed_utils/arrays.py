@@ -7,24 +7,7 @@ import numpy as np
 MX_DTYPES = {str(d).removeprefix("mlx.core."): d for d in vars(mx).values() if isinstance(d, mx.Dtype)}
 
 #: The numpy dtypes a collective accepts; each has an mx dtype of the same name.
-NUMPY_DTYPES = {
-    np.dtype(n)
-    for n in (
-        "bool",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-    )
-}
+NUMPY_DTYPES = {np.dtype(name) for name in MX_DTYPES if name != "bfloat16"}  # (numpy has no bfloat16)
 DTYPE_NAMES = "bool, (u)int8-64, float16, bfloat16, float32, float64, complex64"
 #: The mx dtype of each numpy dtype that travels (a numpy dtype's ``.name`` takes microseconds).
 MX_BY_NUMPY = {d: MX_DTYPES[d.name] for d in NUMPY_DTYPES}

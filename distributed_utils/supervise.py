@@ -118,16 +118,12 @@ class Report:
                 text
                 + f"; ranks {sorted(self.stopped)} had been stopped (SIGSTOP or frozen) while waiting: the cause"
             )
-        silent = sorted(set(range(self.world_size)) - self.watchdog)
-        early = sorted(self.finished & set(silent))
+        silent = set(range(self.world_size)) - self.watchdog
+        early, rest = sorted(self.finished & silent), sorted(silent - self.finished)
         if early:
             text += f"; ranks {early} had already finished their program: they left the job early"
-        rest = sorted(set(silent) - set(early))
         if rest:
-            text += (
-                f"; ranks {rest} did not report waiting: they are behind, stuck elsewhere, failed "
-                "otherwise, or their report was lost"
-            )
+            text += f"; ranks {rest} did not report waiting: they are behind, stuck elsewhere, failed otherwise, or their report was lost"
         return text
 
 
@@ -171,11 +167,8 @@ def _pieces(stream, tagged=False):
         yield rest
 
 
-class Failure:
-    """How a job failed: its exit code, and the rank that caused it (None when not known)."""
-
-    def __init__(self, code, rank=None, how=""):
-        self.code, self.rank, self.how = code, rank, how
+#: How a job failed: its exit code, the rank that caused it (None when not known), and how.
+Failure = collections.namedtuple("Failure", "code rank how")
 
 
 def supervise(procs, world_size, tagged=False, report_dir=None, grace=0):
@@ -351,7 +344,7 @@ def stop_on_signals(procs, report, grace=0):
         )
         for p in procs:
             if not getattr(p, "remote", False):  # (remote ranks hear it from du.preempted's collective)
-                _signal(p.pid, signal.SIGUSR1)
+                p.send_signal(signal.SIGUSR1)
         why = f"the job did not end within the grace period ({grace:g} s)"
         timer = threading.Timer(grace, stop_all, (signum, why))
         timer.daemon = True
@@ -363,13 +356,6 @@ def stop_on_signals(procs, report, grace=0):
             signal.signal(
                 sig, preempt if preempting else lambda n, _: stop_all(n, f"received {signal.Signals(n).name}")
             )
-
-
-def _signal(pid, sig):
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def log(message):

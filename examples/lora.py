@@ -184,7 +184,7 @@ def main():
                 if rank == 0:
                     print(f"batch {step_no} ids {json.dumps([i for r in batch for i in r])}", flush=True)
             if rank == 0:
-                print(f"step {step_no} loss {everyone!r}", flush=True)  # (every digit: resumes compare bit for bit)
+                print(f"step {step_no} loss {everyone!r}", flush=True)  # (every digit: bit for bit)
             if step_no % args.save_every == 0:
                 du.save_checkpoint(
                     backend,

@@ -87,7 +87,7 @@ def test_two_jobs_at_once_do_not_cross_connect(backend):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["-n", "0", "python", "-c", "pass"], "-n must be at least 1"),
+        (["-n", "0", "python", "-c", "pass"], "argument -n: must be >= 1, got 0"),
         (["-n", "2"], "no command given"),
         (["-n", "2", "--backend", "tcp", "python"], "invalid choice: 'tcp'"),
         (["--hostfile", "/nonexistent/hosts", "python", "-c", "pass"], "No such file"),

@@ -195,7 +195,7 @@ def test_a_ring_rank_whose_port_is_taken_says_so(held_port, tmp_path):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--timeout", "-1", "python", "-c", "pass"], "--timeout must be >= 0"),
+        (["--timeout", "-1", "python", "-c", "pass"], "argument --timeout: must be >= 0, got -1"),
         (["--port", "70000", "python", "-c", "pass"], "--port must be a port number"),
         (
             ["--backend", "mpi", "--remote-shell", "ssh {host} -x", "python"],

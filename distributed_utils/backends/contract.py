@@ -138,11 +138,8 @@ def launched_by_mpirun() -> bool:
 
 def launched_for(mlx_name: str) -> bool:
     """Whether a launcher started this process as a rank on MLX's ``mlx_name`` backend."""
-    if mlx_name == "mpi":
-        return launched_by_mpirun()
-    return {"ring": "MLX_HOSTFILE", "nccl": "MLX_WORLD_SIZE", "jaccl": "MLX_IBV_DEVICES"}[
-        mlx_name
-    ] in os.environ
+    variable = {"ring": "MLX_HOSTFILE", "nccl": "MLX_WORLD_SIZE", "jaccl": "MLX_IBV_DEVICES"}.get(mlx_name)
+    return launched_by_mpirun() if mlx_name == "mpi" else variable in os.environ
 
 
 def check_ring_addresses():
@@ -171,14 +168,9 @@ def check_ring_addresses():
 def libmpi_path():
     """The real shared library behind ``mpirun``, or None when there is no MPI."""
     name = "libmpi.dylib" if sys.platform == "darwin" else "libmpi.so.40"
-    dirs = [Path(sys.prefix) / "lib"]
     mpirun = shutil.which("mpirun")
-    if mpirun:
-        dirs.append(Path(mpirun).resolve().parent.parent / "lib")
-    for d in dirs:
-        if (d / name).exists():
-            return str(d / name)
-    return None
+    dirs = [Path(sys.prefix) / "lib"] + ([Path(mpirun).resolve().parent.parent / "lib"] if mpirun else [])
+    return next((str(d / name) for d in dirs if (d / name).exists()), None)
 
 
 def mlx_mpi_available() -> bool:
