@@ -14,7 +14,7 @@ def test_the_code_is_as_the_formatter_writes_it():
     run = subprocess.run([ruff, "format", "--check", "."], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     marked = subprocess.run(
-        ["git", "grep", "-n", "-e", "fmt: skip", "-e", "fmt: off", "--", "*.py"],
+        ["git", "grep", "-n", "-e", "fmt: skip", "-e", "fmt: off", "--", "*.py", ":!tests/test_style.py"],
         cwd=ROOT,
         capture_output=True,
         text=True,
