@@ -20,7 +20,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .arrays import MX_DTYPES, bits, show, signature, to_mx
-from .collectives import allgather, bcast, check_backend, root_runs
+from .collectives import allgather, bcast, check_backend, check_count, root_runs
 from .state import of
 from .synchronize import synchronize
 from .tree import describe
@@ -61,13 +61,9 @@ def save_checkpoint(
     (a trajectory left when the job resumed from an older one) are set aside as ``.superseded``.
     """
     check_backend(backend)
-    if keep is not None:
-        if not (
-            isinstance(keep, int) and keep >= 1 and isinstance(step, int) and step >= 0
-        ):  # (names: by step)
-            raise ValueError(
-                f"save_checkpoint: keep= needs an int >= 1 and an int step= >= 0, got keep={keep!r}, step={step!r}"
-            )
+    if keep is not None:  # (the files' names sort by step)
+        check_count(keep, 1, "save_checkpoint: keep")
+        check_count(step, 0, "save_checkpoint(keep=...): step")
         folder, path = Path(path), Path(path) / f"step-{step:012d}.safetensors"
     arrays = {}
     if model is not None:

@@ -328,6 +328,16 @@ def check_backend(backend) -> AbstractBackend:
     return backend
 
 
+def check_count(value, least: int, what: str) -> int:
+    """``value``, an int >= ``least``: else a TypeError (not an int) or ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        error = (
+            ValueError if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else TypeError
+        )
+        raise error(f"{what} must be an int >= {least}, got {value!r}")
+    return int(value)
+
+
 def check_root(backend, root):
     size = check_backend(backend).size
     if not (isinstance(root, (int, np.integer)) and 0 <= root < size):

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import watchdog
-from .collectives import allgather, check_same
+from .collectives import allgather, check_count, check_same
 from . import partition
 from .registry import local_rank, total_workers
 
@@ -100,7 +100,9 @@ class DistributedDataContainer:
 
     def num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
         """Batches per epoch, the same on every rank."""
-        return partition.batch_count(self._n, self.world_size, self._batch_size(batch_size), drop_last)
+        return partition.batch_count(
+            self._n, self.world_size, check_count(batch_size, 1, f"{self._label}: batch_size"), drop_last
+        )
 
     def state_dict(self) -> dict:
         """Where the job is in the data (the same on every rank), for ``save_checkpoint(data=)``:
@@ -176,7 +178,7 @@ class DistributedDataContainer:
           (``partition.share_sizes``); weight the update by ``len(batch)``. ``"auto"``: the ranks
           time their own work (less their time in collectives) over ``AUTO_SHARE_STEPS`` steps,
           agree on shares in proportion (rank 0 prints them) and split the rest of the epoch so."""
-        batch_size = self._batch_size(batch_size)
+        batch_size = check_count(batch_size, 1, f"{self._label}: batch_size")
         epoch = self.epoch if epoch is None else operator.index(epoch)
         start = None if start is None else operator.index(start)
         auto = isinstance(share, str) and share == "auto"
@@ -293,13 +295,6 @@ class DistributedDataContainer:
         if hf is not None and isinstance(self.data, hf.Dataset):
             return {k: _stack(v) for k, v in self.data[idx.tolist()].items()}
         return _take(self.data, idx)
-
-    def _batch_size(self, batch_size) -> int:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-            raise TypeError(f"{self._label}: batch_size must be an int, got {batch_size!r}")
-        if batch_size < 1:
-            raise ValueError(f"{self._label}: batch_size must be at least 1, got {batch_size}")
-        return int(batch_size)
 
     def __repr__(self):
         return (

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .collectives import allgather, check_backend
+from .collectives import allgather, check_backend, check_count
 from .optimizer import check_start
 from .reduction import Pending, Reduction, as_weight
 from .state import OptimizerState, at_key, check_plain, of, scalars
@@ -55,13 +55,9 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         check_plain(inner_optimizer, "DiLoCo", "inner_optimizer")
         if outer_optimizer is not None:
             check_plain(outer_optimizer, "DiLoCo", "outer_optimizer")
-        for name, value, least in (
-            ("sync_every", sync_every, 1),
-            ("fragments", fragments, 1),
-            ("fragment_sync_delay", fragment_sync_delay, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"DiLoCo: {name} must be an int >= {least}, got {value!r}")
+        for name, value, least in (("sync_every", sync_every, 1), ("fragments", fragments, 1)):
+            check_count(value, least, f"DiLoCo: {name}")
+        check_count(fragment_sync_delay, 0, "DiLoCo: fragment_sync_delay")
         if fragments > sync_every:
             raise ValueError(
                 f"DiLoCo: fragments={fragments} is more than sync_every={sync_every}: each fragment "

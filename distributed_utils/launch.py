@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 from .backends import BY_LAUNCH_NAME
-from .backends.contract import PREEMPTED_EXIT, job_environment, listen_error, ring_rank_environment
+from .backends.contract import PREEMPTED_EXIT, job_environment, listen_error, rank_path, ring_rank_environment
 from .preflight import differences
 from .supervise import log, spawn, supervise
 
@@ -271,8 +271,7 @@ def environments(hosts, args) -> dict:
     python, _, rest = split_command(args.command)
     target = {"-m": ["module", *rest[1:2]], "-c": []}.get(rest[0], ["script", rest[0]]) if rest else []
     python, target = (python, target) if python else (sys.executable, ["program", args.command[0]])
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    probe = f"cd {shlex.quote(os.getcwd())} && env PATH={shlex.quote(path)} {shlex.quote(python)} -m distributed_utils.preflight"
+    probe = f"cd {shlex.quote(os.getcwd())} && env PATH={shlex.quote(rank_path())} {shlex.quote(python)} -m distributed_utils.preflight"
     found = {}
 
     def run(host):

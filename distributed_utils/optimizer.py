@@ -9,7 +9,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from .arrays import bits, evaluate
-from .collectives import check_backend, check_same
+from .collectives import check_backend, check_count, check_same
 from .reduction import Reduction, as_weight, inverse
 from .sharded import ShardedState
 from .state import OptimizerState, check_plain, of, scalars
@@ -50,11 +50,8 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
     ):
         check_backend(backend)
         check_plain(optimizer, "DistributedOptimizer")
-        if isinstance(accumulate_steps, bool) or not (
-            isinstance(accumulate_steps, int) and accumulate_steps >= 1
-        ):
-            raise ValueError(f"accumulate_steps must be a positive int, got {accumulate_steps!r}")
-        self.backend, self.optimizer, self.accumulate_steps = backend, optimizer, accumulate_steps
+        k = check_count(accumulate_steps, 1, "DistributedOptimizer: accumulate_steps")
+        self.backend, self.optimizer, self.accumulate_steps = backend, optimizer, k
         self.reduction = Reduction(backend, op, compression, bucket_bytes)
         self.shards = ShardedState(backend, optimizer, self.reduction) if shard_optimizer_state else None
         self._checked = backend.size == 1  # the ranks' parameters and settings, at the first update

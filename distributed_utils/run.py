@@ -17,7 +17,7 @@ import sys
 import termios
 import traceback
 
-from distributed_utils.backends.contract import say_record
+from distributed_utils.backends.contract import job_id, launched_by_mpirun, say_record
 
 
 def main(argv):
@@ -60,7 +60,7 @@ def stdout_like_a_pipe():
     into it, and libraries that ask ``isatty()`` write terminal codes into du-launch's output,
     which may be a log file. Make it what it is under the ring launcher: a pipe to du-launch
     (``isatty()`` is False), as wide as ``COLUMNS`` (du-launch's terminal) or 80 columns."""
-    if not (os.environ.get("DU_JOB_ID") and os.isatty(1)):
+    if not (job_id() and os.isatty(1)):
         return
     columns, lines = shutil.get_terminal_size((80, 24))  # COLUMNS and LINES first
     fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
@@ -77,7 +77,7 @@ def stdout_like_a_pipe():
 def say_finished():
     """Tell du-launch that this rank's program ended well: if the others then wait for it in a
     collective, it left the job early (mpirun's ranks; the ring's exit codes say it)."""
-    if "OMPI_COMM_WORLD_RANK" in os.environ:
+    if launched_by_mpirun():
         say_record("finished")
 
 

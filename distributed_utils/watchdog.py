@@ -14,7 +14,7 @@ import threading
 import time
 
 from .arrays import show, signature
-from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path
+from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path, watchdog_settings
 
 DEFAULT_TIMEOUT = 300.0
 GRACE = 2.0
@@ -34,17 +34,16 @@ class _State:
         self.stopped = []  # (from, to): when this process did not run
 
 
-_state = (
-    _State()
-)  # (an instance: assigning to a class's attributes at every collective invalidates type caches)
+# (an instance: assigning to a class's attributes at every collective invalidates type caches)
+_state = _State()
 
 
 def configure(timeout=None, debug=None):
     """Set this process's timeout in seconds (0: never) and debug mode. ``None`` keeps the current
     setting, initially ``DU_TIMEOUT`` (default 300) and ``DU_DEBUG`` (default off)."""
-    where = "timeout"
+    where, (timeout_set, debug_set) = "timeout", watchdog_settings()
     if timeout is None and _state.timeout is None:
-        where, timeout = "DU_TIMEOUT", os.environ.get("DU_TIMEOUT") or DEFAULT_TIMEOUT
+        where, timeout = "DU_TIMEOUT", timeout_set or DEFAULT_TIMEOUT
     if timeout is not None:
         try:
             seconds = float(timeout)
@@ -53,10 +52,8 @@ def configure(timeout=None, debug=None):
         if not seconds >= 0:
             raise ValueError(f"{where}={timeout!r} is not a number of seconds >= 0 (0: never)")
         _state.timeout = seconds
-    if debug is None and _state.debug is None:
-        debug = os.environ.get("DU_DEBUG", "0") not in ("", "0", "false", "no")
-    if debug is not None:
-        _state.debug = bool(debug)
+    if debug is not None or _state.debug is None:
+        _state.debug = bool(debug_set if debug is None else debug)
 
 
 class Collective:

@@ -33,9 +33,7 @@ def job_environment(
     env.update(
         DU_REPORT_DIR=report_dir, DU_BACKEND=backend, DU_WORLD_SIZE=str(world_size), DU_RESTART=str(restart)
     )
-    env.update(DU_JOB_ID=uuid.uuid4().hex, PYTHONUNBUFFERED="1")
-    # so that `python` in the command is the interpreter that runs du-launch
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env.update(DU_JOB_ID=uuid.uuid4().hex, PYTHONUNBUFFERED="1", PATH=rank_path())
     if os.isatty(1) and "COLUMNS" not in os.environ:  # for progress bars: the width left after "[rank R] "
         env["COLUMNS"] = str(max(20, shutil.get_terminal_size().columns - len(f"[rank {world_size - 1}] ")))
     if timeout is not None:
@@ -53,6 +51,11 @@ def job_environment(
         # the wire's time with one, 1.06x with two (100 Mbit/s: 1.96x, 1.14x; benchmarks/links.py).
         env["OMPI_MCA_btl_tcp_links"] = os.environ.get("OMPI_MCA_btl_tcp_links", "2")
     return env
+
+
+def rank_path() -> str:
+    """The ranks' PATH: so that ``python`` in the command is the interpreter that runs du-launch."""
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
 def ring_rank_environment(rank: int, hostfile=None) -> dict:
@@ -129,6 +132,12 @@ def expected_world_size():
 
 def job_id():
     return os.environ.get("DU_JOB_ID")
+
+
+def watchdog_settings() -> tuple:
+    """``(DU_TIMEOUT or None, whether DU_DEBUG is on)``."""
+    debug = os.environ.get("DU_DEBUG", "0")
+    return os.environ.get("DU_TIMEOUT") or None, debug not in ("", "0", "false", "no")
 
 
 def launched_by_mpirun() -> bool:

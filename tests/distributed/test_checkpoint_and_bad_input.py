@@ -184,15 +184,15 @@ BAD_INPUT = [
         "keep= without a step",
         lambda b, t: du.save_checkpoint(b, t / "ck", keep=2),
         False,
-        ValueError,
-        "keep= needs an int >= 1 and an int step= >= 0, got keep=2, step=None",
+        TypeError,
+        "save_checkpoint(keep=...): step must be an int >= 0, got None",
     ),
     (
         "keep= with a negative step (its file would sort as the oldest)",
         lambda b, t: du.save_checkpoint(b, t / "ck", step=-1, keep=2),
         False,
         ValueError,
-        "got keep=2, step=-1",
+        "save_checkpoint(keep=...): step must be an int >= 0, got -1",
     ),
 ]
 
