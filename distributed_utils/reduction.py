@@ -25,7 +25,7 @@ import numpy as np
 
 from .arrays import evaluate
 from .collectives import allgather, allreduce_arrays, average_factor, finish, reduce_scatter_sum, start_sum
-from .tree import GRADIENT_BUCKET_BYTES, buckets, describe, floating_leaves, pack, replace_arrays, unpack
+from .tree import buckets, describe, floating_leaves, pack, replace_arrays, unpack
 from .tree import verify_same_structure
 
 
@@ -41,7 +41,8 @@ def reduce_gradients(
     - ``compression``: ``mx.bfloat16``/``mx.float16`` (or their names), or ``"int8"``: ``127 // N``
       levels a side of a per-array unit (for DiLoCo's pseudo-gradients).
     - ``bucket_bytes``: arrays smaller than this travel packed by dtype, this many bytes a
-      collective (0: each alone; default 32 MiB); larger ones travel alone, as they are.
+      collective (0: each alone; default the backend's ``bucket_bytes``); larger ones travel
+      alone, as they are.
     - ``verify``: first check, in one 32-byte allgather, that every rank passes the same tree
       and weighting (not while MLX traces), else ``TreeMismatchError`` on every rank.
 
@@ -61,7 +62,7 @@ class Reduction:
         self.backend, self.op, self.compression = backend, op, as_compression(compression)
         if self.compression == "int8" and backend.size > 127:
             raise ValueError(f"int8 compression sums at most 127 ranks' levels; this job has {backend.size}")
-        self.bucket_bytes = GRADIENT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.bucket_bytes = backend.bucket_bytes if bucket_bytes is None else bucket_bytes
 
     def settings(self) -> dict:
         """What every rank's reduction must agree on."""

@@ -9,8 +9,6 @@ from mlx.utils import tree_flatten, tree_map
 from .arrays import show, signature
 from .collectives import check_same
 
-#: Gradients packed per collective (mlx.nn.average_gradients uses 32 MiB too).
-GRADIENT_BUCKET_BYTES = 32 * 2**20
 BROADCAST_BUCKET_BYTES = 16 * 2**20  # synchronize's buckets: small enough to stay in MLX's buffer cache
 
 

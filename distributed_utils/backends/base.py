@@ -24,6 +24,9 @@ class AbstractBackend(abc.ABC):
     started_by_du_launch: bool = False
     #: This process's rank among the processes on its host; set by ``initialize``.
     node_rank: int = 0
+    #: Gradients smaller than this are packed into buckets of this many bytes, one collective
+    #: each; larger ones travel alone, as they are (mlx.nn.average_gradients packs 32 MiB too).
+    bucket_bytes: int = 32 * 2**20
     #: Whether ``reduce_scatter`` is the transport's own (half an all-reduce's traffic).
     native_reduce_scatter: bool = False
     #: Whether ``allreduce`` also takes numpy arrays, and gives numpy ones back for them (a

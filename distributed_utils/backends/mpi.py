@@ -8,7 +8,7 @@ from ..arrays import MX_BY_NUMPY, contiguous_numpy, evaluate, own_memory, to_mx
 from .base import AbstractBackend, BackendUnavailableError
 
 #: Sums in place go through MPI in pieces of this size (the sizes side by side: docs/architecture.md).
-PIECE_BYTES = 4 * 2**20
+PIECE_BYTES = 2**20
 #: Results up to this size are received into numpy and copied (see ``_received``).
 SMALL_BYTES = 64 * 2**10
 
@@ -22,6 +22,7 @@ class MPIBackend(AbstractBackend):
     collectives are MLX's own MPI ops on the same processes (``MLXMPIBackend``)."""
 
     launch_name, started_by_du_launch = "mpi", True
+    bucket_bytes = 64 * 2**10  # (MPI's latency is small: packing beyond that only costs a copy)
     host_buffers = True
 
     def __init__(self, comm=None):
@@ -67,31 +68,27 @@ class MPIBackend(AbstractBackend):
         # Only the copying depends on this rank; the MPI calls depend on dtypes and sizes alone.
         work, views, taken = [], [], [] if len(arrays) > 1 else None
         for a in arrays:
-            if isinstance(a, np.ndarray):  # (host_buffers) reduced in a, handed over, or in a copy
-                mine = in_place and a.flags.c_contiguous and a.flags.writeable
-                w = view = a.astype(np.float32) if a.dtype == np.float16 else a if mine else np.array(a)
+            if isinstance(a, np.ndarray):  # (host_buffers) reduced in a, handed over, or in a C-ordered copy
+                wide = np.float32 if a.dtype == np.float16 else a.dtype
+                mine = in_place and a.flags.c_contiguous and a.flags.writeable and wide == a.dtype
+                w = view = a if mine else np.array(a, wide, order="C")
             else:
                 w = a.astype(mx.float32) if a.dtype in _NARROW_FLOATS else a
                 view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
                 if view is None and w.size:  # a copy to reduce in: a small one in numpy (see _received)
                     if w.nbytes <= SMALL_BYTES:
-                        w = view = np.array(w)  # (w is evaluated and of a dtype numpy has: not narrow)
+                        w = view = np.array(w, order="C")  # (evaluated, of a dtype numpy has: not narrow)
                     else:
                         w = to_mx(contiguous_numpy(w))
                         view = own_memory(w)
             work.append(w)
             views.append(view)
-        for view in views:
-            if view is not None and view.nbytes <= PIECE_BYTES:
-                self.comm.Allreduce(self._MPI.IN_PLACE, view, op=self._ops[op])
-            elif view is not None:
-                flat, step = view.reshape(-1), PIECE_BYTES // view.itemsize
-                for start in range(0, flat.size, step):
-                    self.comm.Allreduce(self._MPI.IN_PLACE, flat[start : start + step], op=self._ops[op])
-        if scale != 1.0:  # after all the sums: scaling between them would skew the ranks
-            for view in views:
-                if view is not None:
-                    np.multiply(view, scale, out=view, casting="unsafe")
+        for flat in [view.reshape(-1) for view in views if view is not None]:
+            for start in range(0, flat.size, PIECE_BYTES // flat.itemsize):
+                piece = flat[start : start + PIECE_BYTES // flat.itemsize]
+                self.comm.Allreduce(self._MPI.IN_PLACE, piece, op=self._ops[op])
+                if scale != 1.0:  # while the piece is in the cache
+                    np.multiply(piece, scale, out=piece, casting="unsafe")
         return [_like(w, a) for w, a in zip(work, arrays)]
 
     def bcast(self, x, root):
