@@ -73,8 +73,7 @@ class Reduction:
         ``weight``: this rank's, for the weighted mean; ``start``: the sums travel while this rank
         computes (MLX backends) until ``wait()``; ``scatter``: the leaves are 1-d, of lengths that
         N divides, and each comes back as this rank's part of the result (a reduce-scatter)."""
-        what = what or "Reduction.reduce(tree)"
-        weight = None if weight is None else as_weight(weight)
+        what, weight = what or "reduce_gradients(grads)", None if weight is None else as_weight(weight)
         arrays = [g for _, g in self.check(tree, weight, what, verify)]
         if self.backend.size == 1 and weight is None and not scatter:
             return Pending(tree, [g if scale == 1.0 else g * scale for g in arrays])
