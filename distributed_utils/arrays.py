@@ -16,6 +16,15 @@ MX_BY_NUMPY = {d: MX_DTYPES[d.name] for d in NUMPY_DTYPES}
 UINT_BY_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
+#: The floats too narrow to sum in (they overflow or round early; MPI has no type for them).
+NARROW_FLOATS = (mx.float16, mx.bfloat16)
+
+
+def widened(a):
+    """``a`` in float32 if its dtype is one of ``NARROW_FLOATS``, else ``a``."""
+    return a.astype(mx.float32) if a.dtype in NARROW_FLOATS else a
+
+
 def check_travels(x):
     """``x`` if its dtype can travel on every backend, else a TypeError naming it."""
     if isinstance(x, np.ndarray) and x.dtype not in NUMPY_DTYPES:

@@ -8,7 +8,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .arrays import bits, evaluate
+from .arrays import bits, evaluate, widened
 from .collectives import check_backend, check_count, check_same
 from .reduction import Reduction, as_weight, inverse
 from .sharded import ShardedState
@@ -138,8 +138,9 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         return self.optimizer.apply_gradients(reduced, target)
 
     def _accumulate(self, gradients, weight):
-        """``(gradients, scale, weight)`` to reduce at the cycle's k-th call (the sum and 1/k for
-        "avg"; weighted: the weighted mean and the summed weight), else None."""
+        """``(gradients, scale, weight)`` to reduce at the cycle's k-th call (the mean over the calls,
+        for "avg", or their sum, summed in float32 and given back in the gradients' dtypes;
+        weighted: the weighted mean and the summed weight), else None."""
         k = self.accumulate_steps
         if k == 1:
             return gradients, 1.0, weight
@@ -147,28 +148,19 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
             raise ValueError(
                 "DistributedOptimizer: pass weight= to every call of an accumulation cycle, or to none"
             )
-        summed = gradients
-        if weight is not None:  # float16 times a count of tokens overflows: float32
-            weight = as_weight(weight)
-            summed = tree_map(lambda g: _wide(g) * weight if isinstance(g, mx.array) else g, gradients)
-            self._weight = weight if self._weight is None else self._weight + weight
+        w = mx.array(1.0) if weight is None else as_weight(weight)  # (summed in float32: float16 overflows)
+        summed = tree_map(lambda g: widened(g) * w if isinstance(g, mx.array) else g, gradients)
         add = lambda a, b: a + b if isinstance(a, mx.array) else a  # noqa: E731 (other leaves: the first's)
         self._sum = summed if self._sum is None else tree_map(add, self._sum, summed)
+        self._weight = None if weight is None else w if self._weight is None else self._weight + w
         self._calls += 1
-        if self._calls < k:
-            mx.async_eval(
-                [a for _, a in tree_flatten(self._sum) if isinstance(a, mx.array)]
-            )  # drop the graphs
+        if self._calls < k:  # (evaluated now: the graphs of the calls go)
+            mx.async_eval([a for _, a in tree_flatten(self._sum) if isinstance(a, mx.array)])
             return None
         total, weight, self._sum, self._weight, self._calls = self._sum, self._weight, None, None, 0
-        if weight is None:
-            return total, (1 / k if self.reduction.op == "avg" else 1.0), None
-        mean = lambda s, g: (s * inverse(weight)).astype(g.dtype) if isinstance(s, mx.array) else s  # noqa: E731
+        factor = inverse(weight) if weight is not None else 1 / k if self.reduction.op == "avg" else 1.0
+        mean = lambda s, g: (s * factor).astype(g.dtype) if isinstance(s, mx.array) else s  # noqa: E731
         return tree_map(mean, total, gradients), 1.0, weight
-
-
-def _wide(g):
-    return g.astype(mx.float32) if g.dtype.size <= 2 else g
 
 
 def check_start(backend, who, parameters, settings: dict):

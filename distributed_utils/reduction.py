@@ -23,7 +23,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from .arrays import evaluate
+from .arrays import NARROW_FLOATS, evaluate
 from .collectives import allgather, allreduce_arrays, average_factor, finish, reduce_scatter_sum, start_sum
 from .tree import buckets, describe, floating_leaves, pack, replace_arrays, unpack
 from .tree import verify_same_structure
@@ -117,8 +117,8 @@ class Reduction:
             bad = [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]
             if bad:
                 raise ValueError(
-                    f"{what}: weight must be a finite number >= 0 (a count of tokens, say); "
-                    f"ranks {bad} passed {[weights[r].item() for r in bad]}"
+                    f"{what}: weight must be one number >= 0 per rank (a count of tokens, say); ranks {bad} "
+                    f"passed {[weights[r].item() for r in bad]} (nan: no number, or an array of another shape)"
                 )
         return weight * inverse(weights.sum())
 
@@ -133,7 +133,7 @@ class Reduction:
 
     def _wire(self, g, weight):
         """The dtype ``g`` travels in."""
-        narrow = g.dtype.size <= 2
+        narrow = g.dtype in NARROW_FLOATS
         if self.compression is None:
             return mx.float32 if narrow and weight is not None else g.dtype
         return g.dtype if narrow and self.compression != "int8" else self.compression
@@ -167,7 +167,7 @@ class Pending:
 
 def inverse(total_weight: mx.array) -> mx.array:
     """1 / ``total_weight``, and 0 for 0 (every weight 0: zeros)."""
-    return 1 / mx.maximum(total_weight, mx.array(1e-30, mx.float32))
+    return mx.where(total_weight > 0, 1 / total_weight, 0.0)
 
 
 def as_compression(compression):
@@ -179,15 +179,12 @@ def as_compression(compression):
 
 
 def as_weight(weight) -> mx.array:
-    """A rank's weight as a 0-d float32 mx.array."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float, np.number, mx.array)):
-        raise TypeError(
-            f"weight must be a number or a 0-d mx.array (such as a count of tokens), got {weight!r}"
-        )
-    weight = mx.array(weight, mx.float32) if not isinstance(weight, mx.array) else weight.astype(mx.float32)
-    if weight.ndim != 0:
-        raise ValueError(f"weight must be 0-d (one number per rank), got shape {weight.shape}")
-    return weight
+    """A rank's weight as a 0-d float32 mx.array; NaN for what is not one number (a string, an array
+    of another shape): ``Reduction`` then raises on every rank, not on this one alone."""
+    if isinstance(weight, mx.array) and weight.ndim == 0:
+        return weight.astype(mx.float32)
+    number = isinstance(weight, (int, float, np.number)) and not isinstance(weight, bool)
+    return mx.array(float(weight) if number else float("nan"), mx.float32)
 
 
 def _scaled(x, s, dtype):

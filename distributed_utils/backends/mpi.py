@@ -4,15 +4,13 @@ import mlx.core as mx
 import numpy as np
 
 from . import contract
-from ..arrays import MX_BY_NUMPY, contiguous_numpy, evaluate, own_memory, to_mx
+from ..arrays import MX_BY_NUMPY, contiguous_numpy, evaluate, own_memory, to_mx, widened
 from .base import AbstractBackend, BackendUnavailableError
 
 #: Sums in place go through MPI in pieces of this size (the sizes side by side: docs/architecture.md).
 PIECE_BYTES = 2**20
 #: Results up to this size are received into numpy and copied (see ``_received``).
 SMALL_BYTES = 64 * 2**10
-
-_NARROW_FLOATS = {mx.float16, mx.bfloat16}  # no MPI type: reduced in float32, rounded once
 
 
 class MPIBackend(AbstractBackend):
@@ -73,7 +71,7 @@ class MPIBackend(AbstractBackend):
                 mine = in_place and a.flags.c_contiguous and a.flags.writeable and wide == a.dtype
                 w = view = a if mine else np.array(a, wide, order="C")
             else:
-                w = a.astype(mx.float32) if a.dtype in _NARROW_FLOATS else a
+                w = widened(a)  # (no MPI type: reduced in float32, rounded once)
                 view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
                 if view is None and w.size:  # a copy to reduce in: a small one in numpy (see _received)
                     if w.nbytes <= SMALL_BYTES:
