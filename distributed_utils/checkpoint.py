@@ -73,6 +73,7 @@ def save_checkpoint(
     meta = dict(format=FORMAT, step=step, extra=extra, world_size=backend.size, trainable_only=trainable_only)
     meta["data"] = data.state_dict() if hasattr(data, "state_dict") else data
     meta["optimizer"] = None if optimizer is None else of(optimizer).rule_name()
+    meta["optimizer_initialized"] = optimizer is not None and of(optimizer).initialized()
     try:
         meta_json = json.dumps(meta)
     except TypeError as e:
@@ -141,12 +142,14 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
             model.trainable_parameters() if meta.get("trainable_only") else model.parameters(),
         )
     state = None if optimizer is None else of(optimizer)
-    if state is not None and meta["optimizer"] != state.rule_name():
+    if state is not None and meta["optimizer"] in (None, state.rule_name()):
+        # the entries both hold, when both have them (saved or loaded before the first update: any)
+        both = meta.get("optimizer_initialized", True) and state.initialized()
+        _check_fits(path, "optimizer", saved, state.shared_state() if both else None, exact=False)
+    elif state is not None:
         raise CheckpointError(
             f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a {state.rule_name()}"
         )
-    if state is not None:  # an initialized one: its state's shapes are known
-        _check_fits(path, "optimizer", saved, state.whole_state() if state.initialized() else None)
     if backend.rank != 0:
         read["arrays"] = {k: mx.zeros(shape, MX_DTYPES[dtype]) for k, (dtype, shape) in saved.items()}
     arrays = synchronize(backend, read["arrays"], root=0)
@@ -320,21 +323,21 @@ def _verified(path: Path):
     return arrays, meta
 
 
-def _check_fits(path, section, saved, tree):
+def _check_fits(path, section, saved, tree, exact=True):
     """Raise unless the checkpoint's signatures ``saved`` (rank 0's: every rank alike) hold ``section``
-    with the keys, dtypes and shapes of ``tree`` (None: any)."""
+    with the keys, dtypes and shapes of ``tree`` (None: any; not ``exact``: at ``tree``'s keys)."""
     saved = {k.removeprefix(section + "."): sig for k, sig in saved.items() if k.startswith(section + ".")}
     if not saved:
         raise CheckpointError(f"load_checkpoint: {path} holds no {section} (it was saved without {section}=)")
-    have = saved if tree is None else dict(describe(tree))
-    if saved == have:
-        return
-    key = next(k for k in sorted(set(saved) | set(have)) if saved.get(k) != have.get(k))
-    shown = lambda sig: "nothing" if sig is None else show(sig)  # noqa: E731
-    raise CheckpointError(
-        f"load_checkpoint: {path} does not fit the {section}: at '{key}' the checkpoint has "
-        f"{shown(saved.get(key))} and the {section} {shown(have.get(key))}"
-    )
+    have = {} if tree is None else dict(describe(tree))
+    keys = sorted(set(have) | (set(saved) if exact and tree is not None else set()))
+    key = next((k for k in keys if saved.get(k) != have.get(k)), None)
+    if key is not None:
+        shown = lambda sig: "nothing" if sig is None else show(sig)  # noqa: E731
+        raise CheckpointError(
+            f"load_checkpoint: {path} does not fit the {section}: at '{key}' the checkpoint has "
+            f"{shown(saved.get(key))} and the {section} {shown(have.get(key))}"
+        )
 
 
 def save_adapters(backend, path, model, config=None):

@@ -79,7 +79,7 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         return of(self.optimizer).rule_name()
 
     def initialized(self) -> bool:
-        return of(self.optimizer).initialized()
+        return of(self.optimizer).initialized() if self.shards is None else self.shards.initialized
 
     def shared_state(self) -> dict:
         return self.state if self.shards is None else scalars(self.state)  # (sharded: each its slices)

@@ -105,10 +105,12 @@ class ShardedState:
         self.backend, self.optimizer, self.reduction = backend, optimizer, reduction
         self.layout = None
         self._pending = None  # a whole state loaded before the layout was known
+        # Whether the state has its per-parameter entries: on every rank alike (a rank may hold no slice)
+        self.initialized = False
 
     def step(self, gradients, parameters, scale, weight, what):
         """Collective: the updated parameters at the keys of ``gradients``, reduced by ``reduction``."""
-        mine = self._my_gradients(gradients, scale, weight, what)
+        mine, self.initialized = self._my_gradients(gradients, scale, weight, what), True
         # Nothing here holds the slices while the all-gather evaluates the update: MLX can then
         # reuse their buffers for its results (as it does for an unsharded optimizer).
         updated = self.optimizer.apply_gradients(mine, self.layout.my_slices(dict(tree_flatten(parameters))))
@@ -123,6 +125,7 @@ class ShardedState:
         """Initialize the state of this rank's slices of ``parameters`` (a tree)."""
         layout = self._layout(floating_leaves(parameters, "DistributedOptimizer.init(parameters)"))
         self.optimizer.init(layout.my_slices(dict(tree_flatten(parameters))))
+        self.initialized = True
 
     def whole_state(self) -> dict:
         """Collective: the state as it would be unsharded, gathered from every rank's slices."""
@@ -144,7 +147,7 @@ class ShardedState:
 
     def load_whole_state(self, state: dict):
         """Take this rank's slices of ``state`` (``whole_state``'s form), once the layout is known."""
-        self._pending = state
+        self._pending, self.initialized = state, len(scalars(state)) < len(state)
         if self.layout is not None:
             self._apply_pending()
 

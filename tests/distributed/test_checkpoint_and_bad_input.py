@@ -361,10 +361,12 @@ FRESH_OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize("initialized", [False, True], ids=["into-a-new-one", "into-an-initialized-one"])
 @pytest.mark.parametrize("name", FRESH_OPTIMIZERS)
-def test_every_optimizer_saves_and_loads_before_its_first_update(backend, tmp_path, name):
+def test_every_optimizer_saves_and_loads_before_its_first_update(backend, tmp_path, name, initialized):
     """#26.9: a job saved (or preempted) at step 0 restarts from it, and trains bit for bit as if
-    it had never stopped."""
+    it had never stopped, whether the new optimizer is initialized before the load (as
+    examples/lora.py does) or not."""
     path = du.bcast(backend, str(tmp_path / "ck"))
     x, y = dataset(du.local_rank(backend), 6 * 4)
     batches = [(x[s * 4 : (s + 1) * 4], y[s * 4 : (s + 1) * 4]) for s in range(6)]
@@ -372,6 +374,8 @@ def test_every_optimizer_saves_and_loads_before_its_first_update(backend, tmp_pa
     du.save_checkpoint(backend, path, model=first, optimizer=opt, step=0)
     train(first, opt, batches)
     again, opt = mlp(seed=1), FRESH_OPTIMIZERS[name](backend)
+    if initialized:
+        opt.init(again.trainable_parameters())
     assert du.load_checkpoint(backend, path, model=again, optimizer=opt)["step"] == 0
     train(again, opt, batches)
     for (key, a), (_, b) in zip(tree_flatten(first.parameters()), tree_flatten(again.parameters())):
@@ -446,3 +450,40 @@ def test_a_killed_saves_temporary_file_goes_at_the_next_save_of_a_keep_folder(ba
         (tmp_path / "cks" / ".step-000000000002.safetensors.tmp-99999").write_bytes(b"half a checkpoint")
     save_step(backend, folder, 3, keep=2)
     assert files_in(backend, folder) == ["step-000000000001.safetensors", "step-000000000003.safetensors"]
+
+
+@pytest.mark.parametrize("name", ["sharded", "DiLoCo"])
+def test_a_checkpoint_after_updates_loads_into_an_initialized_optimizer(backend, tmp_path, name):
+    """The fit is checked on what every rank holds alike (a sharded state's rank may hold no slice;
+    DiLoCo's checkpoint holds every rank's local state too): it loads and goes on bit for bit."""
+    path = du.bcast(backend, str(tmp_path / "ck"))
+    x, y = dataset(du.local_rank(backend), 8 * 4)
+    batches = [(x[s * 4 : (s + 1) * 4], y[s * 4 : (s + 1) * 4]) for s in range(8)]
+    first, opt = mlp(), FRESH_OPTIMIZERS[name](backend)
+    train(first, opt, batches[:3])
+    du.save_checkpoint(backend, path, model=first, optimizer=opt, step=3)
+    train(first, opt, batches[3:])
+    again, opt = mlp(seed=1), FRESH_OPTIMIZERS[name](backend)
+    opt.init(again.trainable_parameters())
+    du.load_checkpoint(backend, path, model=again, optimizer=opt)
+    train(again, opt, batches[3:])
+    for (key, a), (_, b) in zip(tree_flatten(first.parameters()), tree_flatten(again.parameters())):
+        assert mx.array_equal(a, b).item(), key
+
+
+@pytest.mark.world(min_size=2)
+def test_a_sharded_state_of_which_a_rank_holds_nothing_saves_loads_and_synchronizes(backend, tmp_path):
+    """One parameter of one element: rank 1 holds no slice of the state, yet it is initialized
+    like the others (before, it said otherwise, and load_checkpoint made a collective the
+    others did not)."""
+    path = du.bcast(backend, str(tmp_path / "ck"))
+    params = {"w": mx.zeros((1,))}
+    opt = du.DistributedOptimizer(backend, optim.Adam(1e-2), shard_optimizer_state=True)
+    opt.init(params)
+    params = opt.apply_gradients({"w": mx.ones((1,))}, params)
+    du.save_checkpoint(backend, path, optimizer=opt, step=1)
+    again = du.DistributedOptimizer(backend, optim.Adam(1e-2), shard_optimizer_state=True)
+    again.init({"w": mx.zeros((1,))})
+    du.load_checkpoint(backend, path, optimizer=again)
+    du.synchronize(backend, again)
+    assert again.whole_state()["w"]["m"].tolist() == opt.whole_state()["w"]["m"].tolist()
