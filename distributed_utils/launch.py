@@ -250,18 +250,23 @@ def split_command(command) -> tuple:
     rule for what the hosts' probes check and for running a rank under ``distributed_utils.run``."""
     if not re.fullmatch(r"python[0-9.]*", Path(command[0]).name):
         return None, [], command
-    i = 1
-    while (
-        i < len(command)
-        and command[i].startswith("-")
-        and command[i] != "-"
-        and command[i][:2] not in ("-m", "-c")
-    ):
-        i += 2 if command[i] in ("-W", "-X", "--check-hash-based-pycs") else 1  # (options with a value)
-    rest = command[i:]
-    if rest and rest[0][:2] in ("-m", "-c") and len(rest[0]) > 2:  # -mpkg is -m pkg
-        rest = [rest[0][:2], rest[0][2:], *rest[1:]]
-    return command[0], command[1:i], rest
+    i, options = 1, []
+    while i < len(command) and command[i].startswith("-") and command[i] != "-":
+        flags, letter, value = _PYTHON_OPTION.fullmatch(command[i]).groups()  # -uBm pkg: -uB, then -m pkg
+        if letter in ("m", "c"):
+            program = [f"-{letter}", value or (command[i + 1 : i + 2] or [""])[0]]
+            return (
+                command[0],
+                options + ([f"-{flags}"] if flags else []),
+                program + command[i + 1 + (not value) :],
+            )
+        taken = 2 if letter and not value or command[i] == "--check-hash-based-pycs" else 1  # (its value too)
+        options, i = options + command[i : i + taken], i + taken
+    return command[0], options, command[i:]
+
+
+#: A Python command's option word: flags, then at most one option that takes a value (attached or next).
+_PYTHON_OPTION = re.compile(r"-([bBdEhiIOPqsSuvVxR?]*)([cmWX]?)(.*)|--.*")
 
 
 def environments(hosts, args) -> dict:

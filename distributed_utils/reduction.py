@@ -74,7 +74,7 @@ class Reduction:
         computes (MLX backends) until ``wait()``; ``scatter``: the leaves are 1-d, of lengths that
         N divides, and each comes back as this rank's part of the result (a reduce-scatter)."""
         what, weight = what or "reduce_gradients(grads)", None if weight is None else as_weight(weight)
-        arrays = [g for _, g in self.check(tree, weight, what, verify)]
+        arrays = [g for _, g in self.check(tree, weight, what, verify, scale)]
         if self.backend.size == 1 and weight is None and not scatter:
             return Pending(tree, [g if scale == 1.0 else g * scale for g in arrays])
         if weight is not None:
@@ -99,14 +99,16 @@ class Reduction:
             sums = allreduce_arrays(self.backend, packed, "sum", transport_scale, in_place=True)
         return Pending(tree, arrays, sums, groups, sent, units, scale, scatter)
 
-    def check(self, tree, weight, what, verify=True) -> list:
+    def check(self, tree, weight, what, verify=True, scale=1.0) -> list:
         """Collective: ``[(key, array)]``, the (floating, else TypeError) mx.arrays of ``tree``, once
-        every rank passes the same tree, weighted alike (else ``TreeMismatchError``; ``verify``)."""
+        every rank passes the same tree, weighted alike, reduced alike (else ``TreeMismatchError``;
+        ``verify``: in the 32-byte digest, at no cost of its own)."""
         if weight is not None and self.op != "avg":
             raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {self.op!r}")
         if verify and self.backend.size > 1 and evaluate(tree):  # (not while MLX traces)
+            how = ", ".join(f"{k}={v}" for k, v in {**self.settings(), "scale": scale}.items())
             weighted = [("(weight)", "weighted")] if weight is not None else []
-            verify_same_structure(self.backend, describe(tree) + weighted, what)
+            verify_same_structure(self.backend, describe(tree) + weighted + [("(reduction)", how)], what)
         return floating_leaves(tree, what)  # after the check: the same error on every rank
 
     def _share(self, weight, what):

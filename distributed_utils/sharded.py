@@ -181,7 +181,7 @@ class ShardedState:
         if not (self.backend.native_reduce_scatter and reduction.compression != "int8"):
             reduced = reduction.reduce(grads, scale=scale, weight=weight, what=what).wait()
             return self._layout(floating_leaves(grads, what)).my_slices(reduced)
-        layout = self._layout(reduction.check(grads, weight, what))
+        layout = self._layout(reduction.check(grads, weight, what, scale=scale))
         flats = {name: layout.flatten(grads, name) for name in layout.groups}
         shards = reduction.reduce(
             flats, scale=scale, weight=weight, scatter=True, verify=False, what=what

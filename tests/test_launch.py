@@ -275,6 +275,7 @@ def test_check_on_one_machine_measures_the_job_and_finds_a_missing_script(backen
         (["python", "-X", "dev", "-W", "ignore", "missing.py"], "the script missing.py is missing"),
         (["python", "-m", "no_such_module"], "the module no_such_module is missing"),
         (["python", "-mno_such.module"], "the module no_such.module is missing"),
+        (["python", "-um", "no_such_module"], "the module no_such_module is missing"),  # (one option word)
         (["./no-such-program"], "the program ./no-such-program is missing"),
         (["no-such-program-on-path"], "the program no-such-program-on-path is missing"),
     ],
@@ -309,8 +310,9 @@ def test_check_names_the_python_that_cannot_import_the_library_and_why(tmp_path)
 def test_a_failing_rank_started_with_interpreter_options_ends_the_mpi_job(backend):
     """``python -u ...`` runs under distributed_utils.run too: its failure aborts the job, not a hang."""
     code = "import sys, distributed_utils as du; b = du.initialize(); sys.exit(3 if du.local_rank(b) == 1 else 0)"
-    run = launch(2, backend, ["python", "-u", "-c", code], timeout=60)
-    assert run.returncode == 3 and "rank 1 exited with code 3" in run.stdout, run.stdout
+    for options in (["-u", "-c"], ["-uc"]):
+        run = launch(2, backend, ["python", *options, code], timeout=60)
+        assert run.returncode == 3 and "rank 1 exited with code 3" in run.stdout, run.stdout
 
 
 def test_a_watchdog_report_of_a_stopped_rank_names_it_as_the_cause():

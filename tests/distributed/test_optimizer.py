@@ -477,3 +477,15 @@ def test_verify_false_skips_the_structure_check_and_nothing_else(backend):
         made.append(len(calls))
         assert mx.array_equal(out["b"][0], mx.ones((2, 2))).item()
     assert made == ([2, 1] if du.total_workers(backend) > 1 else [0, 0])
+
+
+@pytest.mark.world(min_size=2)
+@pytest.mark.parametrize(
+    "options", [{"compression": mx.bfloat16}, {"bucket_bytes": 0}, {"scale": 2.0}], ids=str
+)
+def test_a_reduction_with_other_settings_on_one_rank_is_a_mismatch_on_every_rank(backend, options):
+    """Other compression or buckets made other collectives (a hang or garbage); another scale,
+    on MPI (which scales after the sum), parameters that differ by rank. In the digest now."""
+    mine = options if du.local_rank(backend) == 1 else {}
+    with pytest.raises(TreeMismatchError, match=r"first difference at key '\(reduction\)'"):
+        du.reduce_gradients(backend, {"a": mx.ones((3,)), "b": mx.ones((300,))}, **mine)

@@ -193,11 +193,11 @@ def test_accumulated_float16_gradients_stay_finite(backend, weight):
     n, r = du.total_workers(backend), du.local_rank(backend)
     opt = du.DistributedOptimizer(backend, optim.SGD(1.0), accumulate_steps=4)
     params = {"w": mx.zeros((8,), mx.float16)}
-    size = 100.0 if weight else 30000.0
+    value = 100.0 * (r + 1) if weight else 30000.0  # (every rank's fits float16; four of them summed do not)
     for i in range(4):
-        grads = {"w": mx.full((8,), size * (r + 1), mx.float16)}
+        grads = {"w": mx.full((8,), value, mx.float16)}
         params = opt.apply_gradients(grads, params, **({} if weight is None else {"weight": weight}))
-    want = -size * sum(range(1, n + 1)) / n  # the mean over calls and ranks
+    want = -100.0 * sum(range(1, n + 1)) / n if weight else -30000.0  # the mean over calls and ranks
     assert params["w"].dtype == mx.float16
     np.testing.assert_allclose(np.array(params["w"], np.float32), want, rtol=1e-3)
 
