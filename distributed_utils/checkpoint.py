@@ -8,6 +8,7 @@ With the same data order, training continues bit for bit as if it had never stop
 """
 
 import io
+import itertools
 import json
 import os
 import time
@@ -259,9 +260,12 @@ def _checkpoints_in(folder: Path) -> list:
 
 
 def _set_aside(path: Path, why: str):
-    """Rename ``path`` to ``path.why``: no longer a checkpoint of the directory, still on disk."""
-    path.replace(path.with_name(f"{path.name}.{why}"))
-    warnings.warn(f"set aside {path} as {path.name}.{why}")
+    """Rename ``path`` to ``path.why`` (``.why-2``, ...: never over another): no longer a checkpoint
+    of the directory, still on disk."""
+    names = (f"{path.name}.{why}" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
+    aside = next(path.with_name(name) for name in names if not path.with_name(name).exists())
+    path.rename(aside)
+    warnings.warn(f"set aside {path} as {aside.name}")
 
 
 def _find_and_read(path: Path):

@@ -110,8 +110,14 @@ def allreduce_arrays(backend, arrays: list, op: str = "sum", scale: float = 1.0,
 def reduce_scatter_sum(backend, x, scale: float = 1.0):
     """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``
     (``AbstractBackend.reduce_scatter``)."""
-    details = ("sum",) if scale == 1.0 else ("sum", f"scale={scale:.4g}")
-    return _door(backend, "reduce_scatter", x, lambda a: backend.reduce_scatter(a, scale), *details)
+    return _door(
+        backend, "reduce_scatter", x, lambda a: backend.reduce_scatter(a, scale), *_shown("sum", scale)
+    )
+
+
+def _shown(op, scale) -> tuple:
+    """How a reduction's op and scale show in reports: ``("sum",)``, ``("sum", "scale=0.5")``."""
+    return (op,) if scale == 1.0 else (op, f"scale={scale:.4g}")
 
 
 def average_factor(backend) -> float:
@@ -121,7 +127,7 @@ def average_factor(backend) -> float:
 
 def _reduce(backend, what, arrays, op, scale=1.0, in_place=False):
     """The one path of every reduction; ``arrays``: a list, or one array (shown as itself)."""
-    details = (op,) if scale == 1.0 else (op, f"scale={scale:.4g}")
+    details = _shown(op, scale)
     if op == "avg":
         op, scale = "sum", scale * average_factor(backend)
     if isinstance(arrays, list):
@@ -134,10 +140,8 @@ def start_sum(backend, arrays: list, scale: float = 1.0) -> list:
     ``finish`` waits for the results. The MLX backends sum on a stream of their own while this
     rank computes; any other collective first waits for it."""
     global _in_flight
-    details = ("sum",) if scale == 1.0 else ("sum", f"scale={scale:.4g}")
-    _in_flight = _door(
-        backend, "start_sum", arrays, lambda a: backend.start_sum(a, scale), *details, wait=False
-    )
+    primitive = lambda a: backend.start_sum(a, scale)  # noqa: E731
+    _in_flight = _door(backend, "start_sum", arrays, primitive, *_shown("sum", scale), wait=False)
     return _in_flight
 
 

@@ -276,7 +276,7 @@ class DistributedDataContainer:
         for batch in batches:
             self._part = (self.world_size, batch_size, self._part[2] + 1)
             clock.append((time.monotonic(), watchdog.waited()))
-            if auto and len(clock) == AUTO_SHARE_STEPS + 1:  # the first step is a warm-up
+            if auto and len(clock) == AUTO_SHARE_STEPS + 2:  # (the first step is a warm-up)
                 sizes = self._measured_sizes(batch_size, clock[1:])
                 if sizes != batch_size:  # the rest of the epoch, split anew, from this batch on
                     done = (self.world_size, batch_size, self._part[2] - 1)

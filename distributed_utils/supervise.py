@@ -35,7 +35,7 @@ _MPIRUN_NOT_STARTED = re.compile(
 _PEER_LOST = re.compile(
     rb"^\[ring\] (Socket \d+ was closed|Sending to socket|Too many send/recv)|peer was lost"
 )
-_print_lock = threading.Lock()
+_print_lock = threading.RLock()  # (reentrant: a signal handler may log while the main thread does)
 
 
 def spawn(argv, env, *, die_with_launcher=signal.SIGKILL):
@@ -76,13 +76,14 @@ class Report:
         self.preempted = None  # the signal to du-launch that preempted the job
         self.preempted_ranks = {}  # the ranks whose du.preempted returned True: the signals each got
         self.stopping = None  # the signal on which du-launch stops the job itself
+        self.grace = None  # the timer that stops a preempted job after --grace
         self.failure = threading.Event()
 
     def scan(self, line, rank, from_rank) -> bool:
         """Note what ``line`` says; return whether to show it."""
         record = read_record(line)
-        if record is not None:
-            event, rank = record.get("event"), record.get("rank")
+        if record is not None:  # (the rank whose stream it came in, not what it says)
+            event, rank = record.get("event"), record.get("rank") if rank is None else rank
             if event == "finished":
                 self.finished.add(rank)
             elif event == "preempted":
@@ -186,6 +187,8 @@ def supervise(procs, world_size, tagged=False, report_dir=None, grace=0):
             t.start()
             readers.setdefault(rank, []).append(t)
     failure = wait_mpirun(procs[0], report) if tagged else wait_ranks(procs, report, readers)
+    if report.grace is not None:  # ended in time: the grace period no longer runs
+        report.grace.cancel()
     deadline = time.monotonic() + GRACE_SECONDS  # for the output still in the pipes
     for t in [t for ts in readers.values() for t in ts]:  # (a process on a lost host may hold them open)
         t.join(timeout=max(0, deadline - time.monotonic()))
@@ -216,6 +219,10 @@ def wait_ranks(procs, report, readers):
         exited.wait_for(lambda: len(exits) == len(procs), timeout=SETTLE_SECONDS)
     _unless_stopping(report)
     failures = [(r, c) for r, c in exits if c]
+    ended = _preempted_unsaved(report, [-c for _, c in failures])
+    if ended is not None:
+        stop(procs)
+        return ended
     deadline = time.monotonic() + SETTLE_SECONDS  # their last words say whether they only lost a peer
     for t in [t for r, _ in failures for t in readers[r]]:
         t.join(timeout=max(0, deadline - time.monotonic()))
@@ -249,6 +256,9 @@ def wait_mpirun(proc, report):
                 code = WATCHDOG_EXIT if report.watchdog else 1
                 return Failure(code, _first(report.stopped) or report.failed_rank, how_it_ended(code))
     _unless_stopping(report)
+    ended = _preempted_unsaved(report, [report.signal])
+    if ended is not None:
+        return ended
     code = exit_code(proc.returncode)
     if code == 0 and report.lost_host:  # mpirun says so, then exits 0
         log("mpirun lost a host and ended the job")
@@ -269,6 +279,15 @@ def _first(ranks):
 def exit_code(returncode) -> int:
     """A process's exit code as a shell gives it: 128 + N for signal N (Popen's -N)."""
     return SIGNAL_EXIT - returncode if returncode < 0 else returncode
+
+
+def _preempted_unsaved(report, signals):
+    """A Failure, blaming no rank, if the job was preempted and its ranks ended on the forwarded
+    SIGUSR1 (a program that does not call du.preempted): du-launch's own stop. Else None."""
+    if report.preempted is None or set(signals) != {signal.SIGUSR1}:
+        return None
+    log("the ranks ended on the forwarded SIGUSR1 (the program does not call du.preempted)")
+    return Failure(exit_code(-report.preempted), None, "ended on the preemption signal")
 
 
 def _unless_stopping(report):
@@ -330,9 +349,11 @@ def stop_on_signals(procs, report, grace=0):
 
     def stop_all(signum, why):
         report.stopping = signum
-        log(f"{why}; stopping all ranks")
-        stop(procs)
-        os._exit(exit_code(-signum))  # from any thread's wait: no restart after this
+        try:
+            log(f"{why}; stopping all ranks")
+        finally:  # (a closed terminal fails the log)
+            stop(procs)
+            os._exit(exit_code(-signum))  # from any thread's wait: no restart after this
 
     def preempt(signum, frame):
         if report.preempted is not None:
@@ -346,9 +367,9 @@ def stop_on_signals(procs, report, grace=0):
             if not getattr(p, "remote", False):  # (remote ranks hear it from du.preempted's collective)
                 p.send_signal(signal.SIGUSR1)
         why = f"the job did not end within the grace period ({grace:g} s)"
-        timer = threading.Timer(grace, stop_all, (signum, why))
-        timer.daemon = True
-        timer.start()
+        report.grace = threading.Timer(grace, stop_all, (signum, why))
+        report.grace.daemon = True
+        report.grace.start()
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):

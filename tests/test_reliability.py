@@ -697,3 +697,45 @@ def test_ranks_that_outlive_the_grace_period_are_stopped_at_once_and_no_rank_is_
     assert "the job did not end within the grace period (1 s); stopping all ranks" in out, out
     assert not re.search(r"rank \d+ (was killed|exited)", out), out
     assert took < 1 + 2 * 3 + 4, (took, out)  # grace + SIGTERM's 3 s + SIGKILL, whatever n (19 s before)
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_a_preempted_program_that_never_calls_preempted_ends_with_128_plus_the_signal(backend):
+    """The ranks end on the forwarded SIGUSR1: du-launch's own stop, no rank blamed (before: rank N
+    'was killed by SIGUSR1', exit 138)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "distributed_utils.launch",
+        "-n",
+        "2",
+        "--backend",
+        backend,
+        "--grace",
+        "30",
+    ]
+    program = (
+        "import time, distributed_utils as du; du.initialize(); print('ready', flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen(
+        [*argv, "python", "-c", program],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    killer = threading.Timer(120, proc.kill)  # a bound, not a synchronization
+    killer.start()
+    lines, ready = [], 0
+    for line in proc.stdout:  # the ranks say when they run
+        lines.append(line)
+        ready += line.endswith("] ready\n")
+        if ready == 2:
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    code, out = proc.wait(), "".join(lines)
+    killer.cancel()
+    assert code == 128 + signal.SIGTERM, out
+    assert "the ranks ended on the forwarded SIGUSR1 (the program does not call du.preempted)" in out, out
+    assert not re.search(r"rank \d+ (was killed|exited)", out), out

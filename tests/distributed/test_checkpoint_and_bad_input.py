@@ -440,6 +440,14 @@ def test_a_run_resumed_from_an_older_checkpoint_sets_the_later_ones_aside(backen
         "step-000000000020.safetensors.superseded",
     ]
     assert loaded_step(backend, folder) == 16
+    for step in (20, 17):  # a step 20 again, then once more from 15: the first set aside stays too
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            save_step(backend, folder, step, keep=3)
+    assert files_in(backend, folder)[-2:] == [
+        "step-000000000020.safetensors.superseded",
+        "step-000000000020.safetensors.superseded-2",
+    ]
 
 
 def test_a_killed_saves_temporary_file_goes_at_the_next_save_of_a_keep_folder(backend, tmp_path):
