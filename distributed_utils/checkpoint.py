@@ -87,11 +87,11 @@ def save_checkpoint(
         for old in _checkpoints_in(folder)[:-keep]:
             old.unlink()
 
-    stale = ".step-*.safetensors.tmp-*" if keep is not None else f".{Path(path).name}.tmp-*"
-    _root_writes(backend, Path(path), arrays, meta_json, stale, then=None if keep is None else prune)
+    stale = ".step-*.safetensors.tmp-*" if keep is not None else None  # (in a keep folder: any step's)
+    _root_writes(backend, Path(path), arrays, meta_json, None if keep is None else prune, stale)
 
 
-def _root_writes(backend, path: Path, arrays: dict, meta_json: str, stale: str, then=None):
+def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None, stale=None):
     """Collective: rank 0 writes ``arrays`` to ``path`` atomically (``_write_atomically``) and runs
     ``then()``, sending every rank a heartbeat (1) every HEARTBEAT_SECONDS or so, then 0 (else
     CheckpointError)."""
@@ -188,13 +188,13 @@ def _section(arrays, section) -> list:
     return [(k.removeprefix(section + "."), v) for k, v in arrays.items() if k.startswith(section + ".")]
 
 
-def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat, stale: str):
+def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat, stale=None):
     """Write ``arrays`` to ``path`` with MLX's safetensors writer (float64 as its bits), each array's
     CRC-32 in the metadata, and a CRC-32 of the metadata and the header (``_header_crc``): to a
-    temporary file (removed on failure; those of killed saves matching ``stale``, before), fsync,
+    temporary file (removed on failure; those of killed saves, ``stale``, before), fsync,
     rename, fsync of the directory. ``heartbeat()`` runs after each checksum and each piece written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    for old in path.parent.glob(stale):  # left by a killed job
+    for old in path.parent.glob(stale or f".{path.name}.tmp-*"):  # left by a killed job
         old.unlink(missing_ok=True)
     doubles = [key for key, a in arrays.items() if a.dtype == mx.float64]
     arrays = {key: a.view(mx.uint64) if key in doubles else a for key, a in arrays.items()}
@@ -356,6 +356,4 @@ def save_adapters(backend, path, model, config=None):
             (path.parent / "adapter_config.json").write_text(json.dumps(config, indent=4))
 
     arrays = dict(tree_flatten(model.trainable_parameters()))
-    _root_writes(
-        backend, path, arrays, json.dumps({"format": "adapters"}), f".{path.name}.tmp-*", write_config
-    )
+    _root_writes(backend, path, arrays, json.dumps({"format": "adapters"}), write_config)

@@ -332,13 +332,13 @@ def check_backend(backend) -> AbstractBackend:
     return backend
 
 
-def check_count(value, least: int, what: str) -> int:
-    """``value``, an int >= ``least``: else a TypeError (not an int) or ValueError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        error = (
-            ValueError if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else TypeError
-        )
-        raise error(f"{what} must be an int >= {least}, got {value!r}")
+def check_count(value, least: int, what: str, most=None) -> int:
+    """``value``, an int >= ``least`` (and <= ``most``): else a TypeError (not an int) or ValueError
+    naming ``what``."""
+    an_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if not (an_int and least <= value <= (value if most is None else most)):
+        kind = f">= {least}" if most is None else f"in [{least}, {most}]"
+        raise (ValueError if an_int else TypeError)(f"{what} must be an int {kind}, got {value!r}")
     return int(value)
 
 

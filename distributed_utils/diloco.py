@@ -55,27 +55,17 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         check_plain(inner_optimizer, "DiLoCo", "inner_optimizer")
         if outer_optimizer is not None:
             check_plain(outer_optimizer, "DiLoCo", "outer_optimizer")
-        for name, value, least in (("sync_every", sync_every, 1), ("fragments", fragments, 1)):
-            check_count(value, least, f"DiLoCo: {name}")
-        check_count(fragment_sync_delay, 0, "DiLoCo: fragment_sync_delay")
-        if fragments > sync_every:
-            raise ValueError(
-                f"DiLoCo: fragments={fragments} is more than sync_every={sync_every}: each fragment "
-                "syncs once every sync_every steps, at its own step"
-            )
-        if fragment_sync_delay >= sync_every // fragments:
-            raise ValueError(
-                f"DiLoCo: fragment_sync_delay={fragment_sync_delay} must be less than sync_every // "
-                f"fragments = {sync_every // fragments}, the steps between two fragments' syncs"
-            )
-        if not 0 <= fragment_update_alpha <= 1:
-            raise ValueError(
-                f"DiLoCo: fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}"
-            )
-        self.backend, self.inner_optimizer = backend, inner_optimizer
-        self.outer_optimizer = (
-            optim.SGD(0.7, momentum=0.9, nesterov=True) if outer_optimizer is None else outer_optimizer
+        check_count(sync_every, 1, "DiLoCo: sync_every")
+        check_count(
+            fragments, 1, "DiLoCo: fragments (each syncs once every sync_every steps, at its own)", sync_every
         )
+        steps = sync_every // fragments  # between two fragments' syncs
+        delay = f"DiLoCo: fragment_sync_delay (less than sync_every // fragments = {steps})"
+        check_count(fragment_sync_delay, 0, delay, steps - 1)
+        if not 0 <= fragment_update_alpha <= 1:
+            raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1], got {fragment_update_alpha}")
+        self.backend, self.inner_optimizer = backend, inner_optimizer
+        self.outer_optimizer = outer_optimizer or optim.SGD(0.7, momentum=0.9, nesterov=True)
         self.sync_every, self.fragments = sync_every, fragments
         self.delay, self.alpha = fragment_sync_delay, float(fragment_update_alpha)
         self.reduction = Reduction(backend, "avg", compression, bucket_bytes)

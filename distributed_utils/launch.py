@@ -287,14 +287,9 @@ def environments(hosts, args) -> dict:
             done = subprocess.run(
                 argv, capture_output=True, text=True, timeout=PROBE_SECONDS, stdin=subprocess.DEVNULL
             )
-        except SystemExit as e:  # resolve's, for a name that is no host (in a thread it would vanish)
-            found[host] = f"is unreachable: {str(e).removeprefix('du-launch: ')}"
-            return
-        except subprocess.TimeoutExpired:
-            found[host] = f"is unreachable: no answer within {PROBE_SECONDS} s"
-            return
-        except FileNotFoundError as e:
-            found[host] = f"is unreachable: cannot run {argv[0]!r}: {e.strerror}"
+        except (SystemExit, OSError, subprocess.TimeoutExpired) as e:  # (resolve's SystemExit: kept here)
+            why = f"no answer within {PROBE_SECONDS} s" if isinstance(e, subprocess.TimeoutExpired) else e
+            found[host] = f"is unreachable: {str(why).removeprefix('du-launch: ')}"
             return
         try:
             found[host] = json.loads(done.stdout.strip().splitlines()[-1])

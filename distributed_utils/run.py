@@ -8,7 +8,6 @@ like ``python -m mpi4py``, but it aborts before MLX's MPI teardown can block.
 """
 
 import fcntl
-import io
 import os
 import runpy
 import shutil
@@ -50,11 +49,6 @@ def main(argv):
     say_finished()
 
 
-class _Pipe(io.TextIOWrapper):
-    def isatty(self):
-        return False
-
-
 def stdout_like_a_pipe():
     """Under mpirun a rank's stdout is a pseudo-terminal 0 columns wide: tqdm draws nothing
     into it, and libraries that ask ``isatty()`` write terminal codes into du-launch's output,
@@ -64,14 +58,7 @@ def stdout_like_a_pipe():
         return
     columns, lines = shutil.get_terminal_size((80, 24))  # COLUMNS and LINES first
     fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
-    old = sys.stdout
-    sys.stdout = _Pipe(
-        old.buffer,
-        encoding=old.encoding,
-        errors=old.errors,
-        line_buffering=old.line_buffering,
-        write_through=old.write_through,
-    )
+    sys.stdout.isatty = lambda: False
 
 
 def say_finished():

@@ -217,9 +217,8 @@ def wait_ranks(procs, report, readers):
         if all(code == 0 for _, code in exits):
             return None
         exited.wait_for(lambda: len(exits) == len(procs), timeout=SETTLE_SECONDS)
-    _unless_stopping(report)
     failures = [(r, c) for r, c in exits if c]
-    ended = _preempted_unsaved(report, [-c for _, c in failures])
+    ended = _launchers_own(report, [-c for _, c in failures])
     if ended is not None:
         stop(procs)
         return ended
@@ -254,9 +253,8 @@ def wait_mpirun(proc, report):
                 log(f"mpirun has not ended the job {MPIRUN_GRACE} s after a rank failed; killing it")
                 stop([proc], signals=(signal.SIGKILL,))
                 code = WATCHDOG_EXIT if report.watchdog else 1
-                return Failure(code, _first(report.stopped) or report.failed_rank, how_it_ended(code))
-    _unless_stopping(report)
-    ended = _preempted_unsaved(report, [report.signal])
+                return Failure(code, min(report.stopped, default=report.failed_rank), how_it_ended(code))
+    ended = _launchers_own(report, [report.signal])
     if ended is not None:
         return ended
     code = exit_code(proc.returncode)
@@ -265,15 +263,11 @@ def wait_mpirun(proc, report):
         return Failure(1, None, "was on a host that mpirun lost")
     if code == 0:
         return None
-    rank = _first(report.stopped) if report.stopped else report.failed_rank
+    rank = min(report.stopped, default=report.failed_rank)
     how = how_it_ended(-report.signal if report.signal else code)
     if rank is not None and not report.stopped:
         log(f"rank {rank} {how}; mpirun stopped the other ranks")
     return Failure(code, rank, how)
-
-
-def _first(ranks):
-    return min(ranks) if ranks else None
 
 
 def exit_code(returncode) -> int:
@@ -281,20 +275,16 @@ def exit_code(returncode) -> int:
     return SIGNAL_EXIT - returncode if returncode < 0 else returncode
 
 
-def _preempted_unsaved(report, signals):
-    """A Failure, blaming no rank, if the job was preempted and its ranks ended on the forwarded
-    SIGUSR1 (a program that does not call du.preempted): du-launch's own stop. Else None."""
+def _launchers_own(report, signals):
+    """None, unless the ranks ended by du-launch's own doing, for no fault of theirs: it stops them
+    (``stop_on_signals``: wait here for the thread that stops them to end du-launch), or they
+    ended on the SIGUSR1 it forwarded (a program without du.preempted): a Failure of no rank."""
+    if report.stopping is not None:
+        threading.Event().wait()
     if report.preempted is None or set(signals) != {signal.SIGUSR1}:
         return None
     log("the ranks ended on the forwarded SIGUSR1 (the program does not call du.preempted)")
     return Failure(exit_code(-report.preempted), None, "ended on the preemption signal")
-
-
-def _unless_stopping(report):
-    """If du-launch is stopping the job itself (``stop_on_signals``), the ranks it stops failed
-    for no fault of theirs: wait for the thread that stops them to end du-launch."""
-    if report.stopping is not None:
-        threading.Event().wait()
 
 
 def how_it_ended(code) -> str:
