@@ -578,8 +578,10 @@ def test_auto_shares_give_the_slow_rank_less_and_every_rank_the_same_steps(backe
     assert len({len(s) for s in sizes}) == 1  # the same steps everywhere
     k = AUTO_SHARE_STEPS + 1  # the warm-up step and the steps measured: equal batches
     assert all(s[:k] == [4] * k for s in sizes)
-    after = [s[k] for s in sizes]  # then shares: the slow rank's smaller, 4 x N a step in all
-    assert sum(after) == 4 * n and (n == 1 or after[0] < 4 <= min(after[1:])), after
+    # then shares: 4 x N a step in all, the slow rank's the smallest (others may be slow too:
+    # more ranks than cores), smaller than the fastest's
+    after = [s[k] for s in sizes]
+    assert sum(after) == 4 * n and (n == 1 or after[0] == min(after) < max(after)), after
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
