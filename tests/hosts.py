@@ -7,9 +7,10 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from launching import DU_LAUNCH
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,9 +56,7 @@ class Hosts:
             "-c",
             'hostname "$0" && exec "$@"',
             self.names[0],
-            sys.executable,
-            "-m",
-            "distributed_utils.launch",
+            *DU_LAUNCH,
             "--backend",
             backend,
             "--hostfile",

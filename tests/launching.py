@@ -9,10 +9,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: du-launch, run by this Python: ``[*DU_LAUNCH, "-n", "2", ...]``.
+DU_LAUNCH = [sys.executable, "-m", "distributed_utils.launch"]
+
+
 def launch(n, backend, command, timeout=300, env=None):
     """Run ``du-launch -n N --backend B COMMAND...``; returns the CompletedProcess (text output).
     A run past ``timeout`` is killed with its whole process group and reported as a failure."""
-    argv = [sys.executable, "-m", "distributed_utils.launch", "-n", str(n), "--backend", backend, *command]
+    argv = [*DU_LAUNCH, "-n", str(n), "--backend", backend, *command]
     proc = subprocess.Popen(
         argv,
         cwd=ROOT,

@@ -6,7 +6,7 @@ import sys
 import threading
 
 import pytest
-from launching import ROOT, launch
+from launching import DU_LAUNCH, ROOT, launch
 
 BACKENDS = ["mpi", "ring", "mlx-mpi"]
 
@@ -94,13 +94,7 @@ def test_two_jobs_at_once_do_not_cross_connect(backend):
     ],
 )
 def test_bad_arguments_are_clear_errors(args, words):
-    run = subprocess.run(
-        [sys.executable, "-m", "distributed_utils.launch", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = subprocess.run([*DU_LAUNCH, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0
     assert words in run.stderr + run.stdout
 
@@ -109,18 +103,7 @@ def test_hostfile_slots_give_the_rank_count(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# this machine, twice\n127.0.0.1 slots=2\n")
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distributed_utils.launch",
-            "--backend",
-            "ring",
-            "--hostfile",
-            str(hostfile),
-            "python",
-            "-c",
-            REPORT,
-        ],
+        [*DU_LAUNCH, "--backend", "ring", "--hostfile", str(hostfile), "python", "-c", REPORT],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -134,16 +117,7 @@ def test_a_hostfile_line_that_is_not_a_host_is_an_error(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("127.0.0.1 slots=two\n")
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distributed_utils.launch",
-            "--hostfile",
-            str(hostfile),
-            "python",
-            "-c",
-            "pass",
-        ],
+        [*DU_LAUNCH, "--hostfile", str(hostfile), "python", "-c", "pass"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -161,17 +135,7 @@ def test_a_hostfile_host_that_does_not_resolve_is_a_clear_error(tmp_path):
         ["--check", "--min-ranks", "1"],
     ):  # (a check names every host it cannot check)
         run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "distributed_utils.launch",
-                *check,
-                "--hostfile",
-                str(hostfile),
-                "python",
-                "-c",
-                "pass",
-            ],
+            [*DU_LAUNCH, *check, "--hostfile", str(hostfile), "python", "-c", "pass"],
             cwd=ROOT,
             capture_output=True,
             text=True,

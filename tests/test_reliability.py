@@ -13,7 +13,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from launching import ROOT, launch
+from launching import DU_LAUNCH, ROOT, launch
 
 TIMEOUT = 3  # the watchdog timeout in these tests, in seconds
 TRAIN = str(ROOT / "tests" / "programs" / "train.py")
@@ -149,7 +149,7 @@ def test_a_job_killed_while_writing_a_checkpoint_resumes_bit_identical(backend, 
 
 def du_launch(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "distributed_utils.launch", *args],
+        [*DU_LAUNCH, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -292,19 +292,7 @@ def _alive(pid):
     "backend, sig", [("ring", "SIGKILL"), ("mpi", "SIGKILL"), ("ring", "SIGHUP"), ("mlx-mpi", "SIGHUP")]
 )
 def test_ranks_end_when_the_launcher_is_killed(backend, sig, tmp_path):  # d2
-    argv = [
-        sys.executable,
-        "-m",
-        "distributed_utils.launch",
-        "-n",
-        "2",
-        "--backend",
-        backend,
-        "python",
-        "-c",
-        FOREVER,
-        str(tmp_path),
-    ]
+    argv = [*DU_LAUNCH, "-n", "2", "--backend", backend, "python", "-c", FOREVER, str(tmp_path)]
     launcher = subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
@@ -585,18 +573,7 @@ def preempted_run(backend, tmp_path, signal_the_launcher):
     step 7, or rank 1 sends SIGTERM to itself at step 9. Returns (exit code, output)."""
     program = ["python", RESUME, str(tmp_path / "preempted"), str(tmp_path / "ck"), "--preempt"]
     program += ["--hold-at", "7"] if signal_the_launcher else ["--fault", "0:9:1:sigterm"]
-    argv = [
-        sys.executable,
-        "-m",
-        "distributed_utils.launch",
-        "-n",
-        "2",
-        "--backend",
-        backend,
-        "--grace",
-        "60",
-        *program,
-    ]
+    argv = [*DU_LAUNCH, "-n", "2", "--backend", backend, "--grace", "60", *program]
     proc = subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -654,27 +631,15 @@ for sig in (signal.SIGTERM, signal.SIGUSR1):  # a rank that ignores both: only S
 print("ready", flush=True)
 time.sleep(600)
 """
+WAITS = "import time, distributed_utils as du; du.initialize(); print('ready', flush=True); time.sleep(600)"
 
 
-@pytest.mark.parametrize("backend,n", [("ring", 6), ("mpi", 2)])
-def test_ranks_that_outlive_the_grace_period_are_stopped_at_once_and_no_rank_is_blamed(backend, n):
-    """#26.7: after --grace, the ring launcher stopped ranks one at a time (3 s each: 19 s for 6
-    ranks with --grace 1), exited 137 or 143 by chance, and blamed rank 0 for its own SIGKILL.
-    Now every rank is signalled at once (SIGTERM, 3 s, SIGKILL), du-launch exits 128 + the
-    signal it received, and names no rank."""
-    argv = [
-        sys.executable,
-        "-m",
-        "distributed_utils.launch",
-        "-n",
-        str(n),
-        "--backend",
-        backend,
-        "--grace",
-        "1",
-    ]
+def sigterm_when_ready(backend, n, grace, program):
+    """Start ``python -c program`` on n ranks under du-launch, send du-launch SIGTERM once every
+    rank printed "ready": (exit code, output, seconds from the signal to the end)."""
+    argv = [*DU_LAUNCH, "-n", str(n), "--backend", backend]
     proc = subprocess.Popen(
-        [*argv, "python", "-c", STUBBORN],
+        [*argv, "--grace", str(grace), "python", "-c", program],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -691,8 +656,18 @@ def test_ranks_that_outlive_the_grace_period_are_stopped_at_once_and_no_rank_is_
             proc.send_signal(signal.SIGTERM)
             break
     lines += proc.stdout.readlines()
-    code, took, out = proc.wait(), time.monotonic() - signaled, "".join(lines)
+    code, took = proc.wait(), time.monotonic() - signaled
     killer.cancel()
+    return code, "".join(lines), took
+
+
+@pytest.mark.parametrize("backend,n", [("ring", 6), ("mpi", 2)])
+def test_ranks_that_outlive_the_grace_period_are_stopped_at_once_and_no_rank_is_blamed(backend, n):
+    """#26.7: after --grace, the ring launcher stopped ranks one at a time (3 s each: 19 s for 6
+    ranks with --grace 1), exited 137 or 143 by chance, and blamed rank 0 for its own SIGKILL.
+    Now every rank is signalled at once (SIGTERM, 3 s, SIGKILL), du-launch exits 128 + the
+    signal it received, and names no rank."""
+    code, out, took = sigterm_when_ready(backend, n, 1, STUBBORN)
     assert code == 128 + signal.SIGTERM, out
     assert "the job did not end within the grace period (1 s); stopping all ranks" in out, out
     assert not re.search(r"rank \d+ (was killed|exited)", out), out
@@ -703,39 +678,7 @@ def test_ranks_that_outlive_the_grace_period_are_stopped_at_once_and_no_rank_is_
 def test_a_preempted_program_that_never_calls_preempted_ends_with_128_plus_the_signal(backend):
     """The ranks end on the forwarded SIGUSR1: du-launch's own stop, no rank blamed (before: rank N
     'was killed by SIGUSR1', exit 138)."""
-    argv = [
-        sys.executable,
-        "-m",
-        "distributed_utils.launch",
-        "-n",
-        "2",
-        "--backend",
-        backend,
-        "--grace",
-        "30",
-    ]
-    program = (
-        "import time, distributed_utils as du; du.initialize(); print('ready', flush=True); time.sleep(600)"
-    )
-    proc = subprocess.Popen(
-        [*argv, "python", "-c", program],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    killer = threading.Timer(120, proc.kill)  # a bound, not a synchronization
-    killer.start()
-    lines, ready = [], 0
-    for line in proc.stdout:  # the ranks say when they run
-        lines.append(line)
-        ready += line.endswith("] ready\n")
-        if ready == 2:
-            proc.send_signal(signal.SIGTERM)
-            break
-    lines += proc.stdout.readlines()
-    code, out = proc.wait(), "".join(lines)
-    killer.cancel()
+    code, out, _ = sigterm_when_ready(backend, 2, 30, WAITS)
     assert code == 128 + signal.SIGTERM, out
     assert "the ranks ended on the forwarded SIGUSR1 (the program does not call du.preempted)" in out, out
     assert not re.search(r"rank \d+ (was killed|exited)", out), out

@@ -78,7 +78,7 @@ BAD_INPUT = [
         lambda b, t: du.allreduce(type(b), 1, "sum"),
         False,
         TypeError,
-        f"du.get_distributed_backend(du.",
+        "du.get_distributed_backend(du.",
     ),
     (
         "use before initialize",

@@ -571,7 +571,7 @@ def slowed_epoch(backend, data, *, slow_rank, **kw):
 
 
 def test_auto_shares_give_the_slow_rank_less_and_every_rank_the_same_steps(backend):
-    n, rank = du.total_workers(backend), du.local_rank(backend)
+    n = du.total_workers(backend)
     data = du.DistributedDataContainer(backend, np.arange(400))
     batches = slowed_epoch(backend, data, slow_rank=0, batch_size=4)
     sizes = du.allgather(backend, [len(b) for b in batches])

@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from mlx.utils import tree_flatten
+from test_collectives import DTYPES
 
 import distributed_utils as du
 from distributed_utils.tree import TreeMismatchError
@@ -31,22 +32,7 @@ class Tag:
     rank: int
 
 
-MX_DTYPES = [
-    mx.bool_,
-    mx.uint8,
-    mx.uint16,
-    mx.uint32,
-    mx.uint64,
-    mx.int8,
-    mx.int16,
-    mx.int32,
-    mx.int64,
-    mx.float16,
-    mx.bfloat16,
-    mx.float32,
-    mx.float64,
-    mx.complex64,
-]
+MX_DTYPES = DTYPES  # every dtype that travels
 NP_DTYPES = [
     np.dtype(t)
     for t in (
