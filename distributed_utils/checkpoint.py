@@ -69,12 +69,13 @@ def save_checkpoint(
     arrays = {}
     if model is not None:
         arrays.update(_flat("model", model.trainable_parameters() if trainable_only else model.parameters()))
-    if optimizer is not None:
-        arrays.update(_flat("optimizer", of(optimizer).whole_state()))
+    state = None if optimizer is None else of(optimizer)
+    if state is not None:
+        arrays.update(_flat("optimizer", state.whole_state()))
     meta = dict(format=FORMAT, step=step, extra=extra, world_size=backend.size, trainable_only=trainable_only)
     meta["data"] = data.state_dict() if hasattr(data, "state_dict") else data
-    meta["optimizer"] = None if optimizer is None else of(optimizer).rule_name()
-    meta["optimizer_initialized"] = optimizer is not None and of(optimizer).initialized()
+    meta["optimizer"] = None if state is None else state.rule_name()
+    meta["optimizer_initialized"] = state is not None and state.initialized()
     try:
         meta_json = json.dumps(meta)
     except TypeError as e:
@@ -135,13 +136,9 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     path, meta, saved = root_runs(backend, find_and_read, 0, CheckpointError, f"read {path}")
     if meta is None:
         return None
-    if model is not None:
-        _check_fits(
-            path,
-            "model",
-            saved,
-            model.trainable_parameters() if meta.get("trainable_only") else model.parameters(),
-        )
+    if model is not None:  # (a file saved with trainable_only holds those alone)
+        parameters = model.trainable_parameters() if meta.get("trainable_only") else model.parameters()
+        _check_fits(path, "model", saved, parameters)
     state = None if optimizer is None else of(optimizer)
     if state is not None and meta["optimizer"] in (None, state.rule_name()):
         # the entries both hold, when both have them (saved or loaded before the first update: any)

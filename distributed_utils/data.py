@@ -41,20 +41,14 @@ class DistributedDataContainer:
         self.world_size = total_workers(backend)
         self.data = data
         self.epoch = 0
-        self._part = (
-            self.world_size,
-            None,
-            0,
-        )  # this epoch's batches() so far: (world size, batch size, batches)
+        # this epoch's batches() so far: (world size, batch size, batches)
+        self._part = (self.world_size, None, 0)
         self._before = []  # the parts of this epoch run before a restart at another world size or batch size
         self._resume = None  # load_state_dict's state, for the next batches()
         self._auto_sizes = None  # the batch sizes share="auto" last agreed on
-        self._columns, self._n = _columns_and_length(
-            data, self._label
-        )  # columns: None unless a tuple or dict
-        check_same(
-            backend, self._label, {"data (the whole data set), of length": self._n}
-        )  # (else: unequal steps)
+        # columns: None unless a tuple or dict; a length that differs by rank would give unequal steps
+        self._columns, self._n = _columns_and_length(data, self._label)
+        check_same(backend, self._label, {"data (the whole data set), of length": self._n})
         self.indices = range(*partition.shard_bounds(self._n, self.world_size, self.rank))
         if collate is not None and not callable(collate):
             raise TypeError(f"{self._label}: collate must be a function from a list of items to a batch")
@@ -200,10 +194,8 @@ class DistributedDataContainer:
 
     def _sized_batches(self, how, before, batch_size, start, auto=False):
         """The epoch's batches (``batch_size``: one, or every rank's list), handed out by ``_counted``."""
-        mine, where = (
-            partition.size_of(batch_size, self.rank),
-            (self._n, self.world_size, self.rank, batch_size),
-        )
+        mine = partition.size_of(batch_size, self.rank)
+        where = (self._n, self.world_size, self.rank, batch_size)
         order_of = dict(shuffle=how["shuffle"], seed=how["seed"], epoch=how["epoch"], done=before)
         if how["exactly_once"]:
             order, real = partition.exactly_once_indices(*where, **order_of)

@@ -147,14 +147,14 @@ def parse_args(argv):
     )
     p.add_argument("--min-ranks", type=at_least(1), metavar="M", help=fewer)
     grace = (
-        "after a SIGTERM or SIGUSR1 (preemption), forwarded to the ranks, wait this long for the job to end"
-    )
-    grace += (
-        f" before stopping it; exit code {PREEMPTED_EXIT} if it ended in time (default: 30; 0: stop at once)"
+        "after a SIGTERM or SIGUSR1 (preemption), forwarded to the ranks, wait this long for the job to end "
+        f"before stopping it; exit code {PREEMPTED_EXIT} if it ended in time (default: 30; 0: stop at once)"
     )
     p.add_argument("--grace", type=at_least(0, float), default=30, metavar="SECONDS", help=grace)
-    check = "check instead of running: the same environment on every host (Python, libraries, the program), "
-    check += "and each link's all-reduce latency and bandwidth"
+    check = (
+        "check instead of running: the same environment on every host (Python, libraries, the program), "
+        "and each link's all-reduce latency and bandwidth"
+    )
     p.add_argument("--check", action="store_true", help=check)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program every rank runs")
     args = p.parse_args(argv)

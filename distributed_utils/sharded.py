@@ -10,7 +10,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .collectives import allgather
-from .state import at_key, scalars
+from .state import at_key, has_entries, scalars
 from .tree import floating_leaves
 
 #: Optimizers whose update is element by element: their state can be split anywhere.
@@ -147,7 +147,7 @@ class ShardedState:
 
     def load_whole_state(self, state: dict):
         """Take this rank's slices of ``state`` (``whole_state``'s form), once the layout is known."""
-        self._pending, self.initialized = state, len(scalars(state)) < len(state)
+        self._pending, self.initialized = state, has_entries(state)
         if self.layout is not None:
             self._apply_pending()
 
@@ -167,9 +167,7 @@ class ShardedState:
     def _apply_pending(self):
         state, self._pending = self._pending, None
         mine = scalars(state)
-        for key, (_, a, b) in (
-            self.layout.slices.items() if len(mine) < len(state) else ()
-        ):  # (else: unused yet)
+        for key, (_, a, b) in self.layout.slices.items() if has_entries(state) else ():  # (else: unused yet)
             mine[key] = {entry: v.reshape(-1)[a:b] for entry, v in at_key(state, key).items()}
         self.optimizer.state = mine
 

@@ -50,7 +50,7 @@ class Plain(OptimizerState):
     def initialized(self) -> bool:
         if isinstance(self.optimizer, MultiOptimizer):
             return all(Plain(o).initialized() for o in self.optimizer.optimizers)
-        return any(isinstance(v, (dict, list, tuple)) for v in self.optimizer.state.values())
+        return has_entries(self.optimizer.state)
 
     def shared_state(self) -> dict:
         return self.optimizer.state
@@ -72,6 +72,11 @@ def of(optimizer) -> OptimizerState:
 def scalars(state: dict) -> dict:
     """The entries of ``state`` that are not per parameter (step, learning rate)."""
     return {k: v for k, v in state.items() if not isinstance(v, (dict, list, tuple))}
+
+
+def has_entries(state: dict) -> bool:
+    """Whether ``state`` holds per-parameter entries (more than its scalars)."""
+    return len(scalars(state)) < len(state)
 
 
 def at_key(tree, key: str):

@@ -28,9 +28,8 @@ _TAG = re.compile(rb"^\[\d+,(\d+)\]<std(?:out|err)>: ?")
 _MPIRUN_RANK = re.compile(rb"process rank (\d+)|Process name: \[\S+,(\d+)\]")
 _MPIRUN_SIGNAL = re.compile(rb"^signal (\d+) \(")
 _MPIRUN_LOST = re.compile(rb"lost communication with a remote daemon")
-_MPIRUN_NOT_STARTED = re.compile(
-    rb"The PMIx server's listener thread failed to start"
-)  # seen once in CI: transient
+# seen once in CI: transient
+_MPIRUN_NOT_STARTED = re.compile(rb"The PMIx server's listener thread failed to start")
 # what MLX's ring prints on the ranks that lose a peer: an effect, not the cause, of a failure
 _PEER_LOST = re.compile(
     rb"^\[ring\] (Socket \d+ was closed|Sending to socket|Too many send/recv)|peer was lost"

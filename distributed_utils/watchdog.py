@@ -41,9 +41,9 @@ _state = _State()
 def configure(timeout=None, debug=None):
     """Set this process's timeout in seconds (0: never) and debug mode. ``None`` keeps the current
     setting, initially ``DU_TIMEOUT`` (default 300) and ``DU_DEBUG`` (default off)."""
-    where, (timeout_set, debug_set) = "timeout", watchdog_settings()
-    if timeout is None and _state.timeout is None:
-        where, timeout = "DU_TIMEOUT", timeout_set or DEFAULT_TIMEOUT
+    where = "timeout"
+    if timeout is None and _state.timeout is None:  # (the environment is read once, not at every watch)
+        where, timeout = "DU_TIMEOUT", watchdog_settings()[0] or DEFAULT_TIMEOUT
     if timeout is not None:
         try:
             seconds = float(timeout)
@@ -53,7 +53,7 @@ def configure(timeout=None, debug=None):
             raise ValueError(f"{where}={timeout!r} is not a number of seconds >= 0 (0: never)")
         _state.timeout = seconds
     if debug is not None or _state.debug is None:
-        _state.debug = bool(debug_set if debug is None else debug)
+        _state.debug = bool(watchdog_settings()[1] if debug is None else debug)
 
 
 class Collective:
