@@ -272,10 +272,13 @@ def test_check_names_the_python_that_cannot_import_the_library_and_why(tmp_path)
 
 @pytest.mark.parametrize("backend", ["mpi", "mlx-mpi"])
 def test_a_failing_rank_started_with_interpreter_options_ends_the_mpi_job(backend):
-    """``python -u ...`` runs under distributed_utils.run too: its failure aborts the job, not a hang."""
-    code = "import sys, distributed_utils as du; b = du.initialize(); sys.exit(3 if du.local_rank(b) == 1 else 0)"
+    """``python -u ...`` runs under distributed_utils.run too: its failure aborts the job, not a hang
+    (rank 0 waits for rank 1 in a barrier, as FAIL_ON_RANK_1's ranks do: a rank 0 that ended its own
+    program meanwhile could be killed in MPI's teardown, and mpirun report that instead)."""
     for options in (["-u", "-c"], ["-uc"]):
-        run = launch(2, backend, ["python", *options, code], timeout=60)
+        run = launch(
+            2, backend, ["python", *options, FAIL_ON_RANK_1.replace("sys.exit(7)", "sys.exit(3)")], timeout=60
+        )
         assert run.returncode == 3 and "rank 1 exited with code 3" in run.stdout, run.stdout
 
 
