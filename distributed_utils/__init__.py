@@ -26,6 +26,7 @@ from .backends import (
 from .checkpoint import CheckpointError, load_checkpoint, save_adapters, save_checkpoint
 from .data import DistributedDataContainer
 from .diloco import DiLoCo
+from .fsdp import FullyShardedModule, clip_grad_norm, fully_shard, split
 from .optimizer import DistributedOptimizer
 from .preemption import preempted
 from .reduction import reduce_gradients

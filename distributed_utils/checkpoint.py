@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from . import fsdp
 from .arrays import MX_DTYPES, bits, show, signature, to_mx
 from .collectives import allgather, bcast, check_backend, check_count, root_runs
 from .state import of
@@ -66,12 +67,13 @@ def save_checkpoint(
         check_count(keep, 1, "save_checkpoint: keep")
         check_count(step, 0, "save_checkpoint(keep=...): step")
         folder, path = Path(path), Path(path) / f"step-{step:012d}.safetensors"
-    arrays = {}
-    if model is not None:
-        arrays.update(_flat("model", model.trainable_parameters() if trainable_only else model.parameters()))
+    arrays, shards = {}, _shards(backend, model, optimizer, "save_checkpoint")
+    if model is not None:  # (a fully sharded model's parameters and their state: whole)
+        params = model.trainable_parameters() if trainable_only else model.parameters()
+        arrays.update(_flat("model", fsdp.whole_tree(params, shards)))
     state = None if optimizer is None else of(optimizer)
     if state is not None:
-        arrays.update(_flat("optimizer", state.whole_state()))
+        arrays.update(_flat("optimizer", fsdp.whole_tree(state.whole_state(), shards)))
     meta = dict(format=FORMAT, step=step, extra=extra, world_size=backend.size, trainable_only=trainable_only)
     meta["data"] = data.state_dict() if hasattr(data, "state_dict") else data
     meta["optimizer"] = None if state is None else state.rule_name()
@@ -136,14 +138,16 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     path, meta, saved = root_runs(backend, find_and_read, 0, CheckpointError, f"read {path}")
     if meta is None:
         return None
+    shards = _shards(backend, model, optimizer, "load_checkpoint")
     if model is not None:  # (a file saved with trainable_only holds those alone)
         parameters = model.trainable_parameters() if meta.get("trainable_only") else model.parameters()
-        _check_fits(path, "model", saved, parameters)
+        _check_fits(path, "model", saved, fsdp.whole_shapes(parameters, shards))
     state = None if optimizer is None else of(optimizer)
     if state is not None and meta["optimizer"] in (None, state.rule_name()):
         # the entries both hold, when both have them (saved or loaded before the first update: any)
         both = meta.get("optimizer_initialized", True) and state.initialized()
-        _check_fits(path, "optimizer", saved, state.shared_state() if both else None, exact=False)
+        shared = fsdp.whole_shapes(state.shared_state(), shards) if both else None
+        _check_fits(path, "optimizer", saved, shared, exact=False)
     elif state is not None:
         raise CheckpointError(
             f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a {state.rule_name()}"
@@ -152,16 +156,26 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
         read["arrays"] = {k: mx.zeros(shape, MX_DTYPES[dtype]) for k, (dtype, shape) in saved.items()}
     arrays = synchronize(backend, read["arrays"], root=0)
     mx.eval(arrays)
-    if model is not None:
-        model.update(tree_unflatten(_section(arrays, "model")))
+    if model is not None:  # (a fully sharded model takes this rank's shards)
+        model.update(fsdp.shard_tree(tree_unflatten(_section(arrays, "model")), shards))
     if state is not None:  # (DiLoCo sets the model's parameters to this rank's local ones)
-        state.load_whole_state(tree_unflatten(_section(arrays, "optimizer")), model)
+        state.load_whole_state(fsdp.shard_tree(tree_unflatten(_section(arrays, "optimizer")), shards), model)
     if meta["world_size"] == backend.size:
         hi, lo = arrays["rng"][backend.rank].tolist()
         mx.random.seed((hi << 32) | lo)  # seed(s) sets the key to [s >> 32, s & 0xffffffff]
     if data is not None and hasattr(data, "load_state_dict"):
         data.load_state_dict(meta["data"])
     return {key: meta[key] for key in ("step", "data", "extra", "world_size")}
+
+
+def _shards(backend, model, optimizer, who) -> dict:
+    """Collective: ``fsdp.sharded(model)``, once the model holds none of MLX's sharded layers."""
+    if model is None and optimizer is not None and fsdp.any_alive():
+        raise ValueError(
+            f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"
+        )
+    fsdp.check_mlx_sharding(backend, model, who, replicated_ok=False)
+    return fsdp.sharded(model)
 
 
 # --- the file -------------------------------------------------------------------------------

@@ -6,12 +6,14 @@ import hashlib
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx import nn
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from . import fsdp
 from .arrays import bits, evaluate, widened
 from .collectives import check_backend, check_count, check_same
 from .reduction import Reduction, as_weight, inverse
-from .sharded import ShardedState
+from .sharded import ShardedState, check_elementwise
 from .state import OptimizerState, check_plain, of, scalars
 
 
@@ -54,7 +56,7 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         self.backend, self.optimizer, self.accumulate_steps = backend, optimizer, k
         self.reduction = Reduction(backend, op, compression, bucket_bytes)
         self.shards = ShardedState(backend, optimizer, self.reduction) if shard_optimizer_state else None
-        self._checked = backend.size == 1  # the ranks' parameters and settings, at the first update
+        self._checked = False  # the ranks' parameters and settings, at the first update
         self._sum, self._weight, self._calls = None, None, 0  # this accumulation cycle's, on this rank
 
     def __getattr__(self, name):  # only for names not found on the wrapper itself
@@ -122,11 +124,14 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
 
     def _step(self, gradients, parameters, target, weight):
         """The updated parameters (of ``target``: the model or ``parameters``), or None while accumulating."""
+        if not isinstance(target, nn.Module) and fsdp.any_alive():
+            raise ValueError(
+                "DistributedOptimizer.apply_gradients cannot tell a fully sharded model's shards (reduced "
+                "already) from replicated parameters: use update(model, grads)"
+            )
+        shards = fsdp.sharded(target, self.backend)  # reduced in the backward pass already
         if not self._checked and evaluate(parameters):  # (not while MLX traces)
-            mine = dict(optimizer=self.rule_name(), accumulate_steps=self.accumulate_steps)
-            settings = {**mine, "shard_optimizer_state": self.shards is not None, **self.reduction.settings()}
-            check_start(self.backend, "DistributedOptimizer", parameters, settings)
-            self._checked = True
+            self._check_start(parameters, target, shards, weight)
         cycle = self._accumulate(gradients, weight)
         if cycle is None:
             return None
@@ -134,8 +139,35 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         what = "DistributedOptimizer.update(grads)"
         if self.shards is not None:
             return self.shards.step(gradients, parameters, scale, weight, what)
+        if shards:  # the replicated parameters' gradients alone
+            flat = dict(tree_flatten(gradients))
+            replicated = {k: g for k, g in flat.items() if k not in shards}
+            if replicated:
+                flat.update(self.reduction.reduce(replicated, scale=scale, what=what).wait())
+            return self.optimizer.apply_gradients(tree_unflatten(list(flat.items())), target)
         reduced = self.reduction.reduce(gradients, scale=scale, weight=weight, what=what).wait()
         return self.optimizer.apply_gradients(reduced, target)
+
+    def _check_start(self, parameters, model, shards, weight):
+        """Collective: every rank starts alike (``check_start``); a fully sharded model's gradients were
+        averaged in its backward pass, which only an element-by-element optimizer can step."""
+        mine = dict(optimizer=self.rule_name(), accumulate_steps=self.accumulate_steps)
+        settings = {**mine, "shard_optimizer_state": self.shards is not None, **self.reduction.settings()}
+        fsdp.check_mlx_sharding(self.backend, model, "DistributedOptimizer")
+        replicated = {k: p for k, p in tree_flatten(parameters) if k not in shards}
+        check_start(self.backend, "DistributedOptimizer", replicated, settings)
+        if shards:
+            check_elementwise(self.optimizer)
+            why = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.shards}
+            why["weight="] = weight is not None
+            bad = [name for name, yes in why.items() if yes]
+            if bad:
+                raise ValueError(
+                    f"DistributedOptimizer: a fully sharded model's gradients are averaged in its backward "
+                    f"pass, before update() sees them: {bad[0]} cannot apply (its state is 1/N already; "
+                    "to weight the ranks, scale each rank's loss by N * w_r / sum(w): README)"
+                )
+        self._checked = True
 
     def _accumulate(self, gradients, weight):
         """``(gradients, scale, weight)`` to reduce at the cycle's k-th call (the mean over the calls,

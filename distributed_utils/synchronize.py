@@ -6,8 +6,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.nn import Module
 from mlx.optimizers import Optimizer
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
+from . import fsdp
 from .arrays import UINT_BY_SIZE, bits, width
 from .collectives import bcast, check_root, root_runs
 from .state import of
@@ -40,10 +41,11 @@ def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
     if model is not None:
         raise TypeError(f"{what}: model= is only for optimizers")
     if isinstance(x, Module):
-        params = _synchronize_tree(
-            backend, x.trainable_parameters() if trainable_only else x.parameters(), root, what
-        )
-        return x if backend.rank == root else x.update(params)
+        fsdp.check_mlx_sharding(backend, x, what)
+        params = x.trainable_parameters() if trainable_only else x.parameters()
+        shards = fsdp.sharded(x)  # (each rank keeps its own)
+        params = _synchronize_tree(backend, _without(params, shards), root, what)
+        return x if backend.rank == root else x.update(_with(params, x.parameters(), shards))
     if trainable_only:
         raise TypeError(f"{what}: trainable_only= is only for an nn.Module")
     return _synchronize_tree(backend, x, root, what)
@@ -53,8 +55,13 @@ def _synchronize_optimizer(backend, opt, root, model, what):
     state = of(opt)
     if model is not None and not state.initialized():
         opt.init(model.trainable_parameters())
+    if model is None and fsdp.any_alive():
+        raise ValueError(
+            f"{what}: pass model=: the state of a fully sharded model's shards stays on each rank"
+        )
+    shards = fsdp.sharded(model)
     try:
-        shared = _synchronize_tree(backend, state.shared_state(), root, what)
+        shared = _synchronize_tree(backend, _without(state.shared_state(), shards), root, what)
     except TreeMismatchError as e:
         hint = "an optimizer not yet updated needs opt.init(model.trainable_parameters()) or model=model"
         raise TreeMismatchError(f"{e}; {hint}") from None
@@ -64,8 +71,23 @@ def _synchronize_optimizer(backend, opt, root, model, what):
             "first, or pass model=model"
         )
     if backend.rank != root:
-        state.set_shared_state(shared)
+        state.set_shared_state(_with(shared, state.shared_state(), shards))
     return opt
+
+
+def _without(tree, shards):
+    """``tree`` without the entries at the keys of ``shards`` (``fsdp.sharded``): a flat dict."""
+    if not shards:
+        return tree
+    return {k: v for k, v in tree_flatten(tree) if fsdp.param_key(k, shards) is None}
+
+
+def _with(synchronized, tree, shards):
+    """``_without``'s inverse: ``synchronized``, and ``tree``'s entries at the keys of ``shards``."""
+    if not shards:
+        return synchronized
+    own = [(k, v) for k, v in tree_flatten(tree) if fsdp.param_key(k, shards) is not None]
+    return tree_unflatten(list(synchronized.items()) + own)
 
 
 def _synchronize_tree(backend, tree, root, what):

@@ -62,5 +62,9 @@ class AbstractBackend(abc.ABC):
         c = x.shape[0] // self.size
         return self.allreduce([x], "sum", scale)[0][self.rank * c : (self.rank + 1) * c]
 
+    def split(self, color: int) -> "AbstractBackend":
+        """A backend over the ranks that pass the same ``color``, in this one's rank order."""
+        raise BackendUnavailableError(f"{type(self).__name__} cannot split into groups")
+
     def __repr__(self):
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

@@ -86,6 +86,15 @@ class MLXBackend(AbstractBackend):
     def barrier(self):
         mx.eval(mx.distributed.all_sum(mx.zeros((1,), mx.int32), group=self.group, stream=self.stream))
 
+    def split(self, color):
+        try:
+            group = self.group.split(color)
+        except RuntimeError as e:  # (the ring's: "[ring] Group split not supported")
+            raise BackendUnavailableError(f"{type(self).__name__} cannot split into groups: {e}") from None
+        sub = object.__new__(type(self))
+        sub.group, sub.rank, sub.size = group, group.rank(), group.size()
+        return sub
+
 
 class RingBackend(MLXBackend):
     """MLX's ring over TCP sockets: ``du-launch --backend ring`` sets MLX_RANK and MLX_HOSTFILE."""

@@ -112,6 +112,9 @@ class MPIBackend(AbstractBackend):
     def barrier(self):
         self.comm.Barrier()
 
+    def split(self, color):
+        return MPIBackend(self.comm.Split(color, self.rank))
+
 
 def _received(shape, dtype, receive) -> mx.array:
     """A new mx.array of ``shape`` and numpy ``dtype`` written by ``receive(bytes)``: in its own

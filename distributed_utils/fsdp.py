@@ -1,0 +1,342 @@
+"""Fully sharded models (FSDP, ZeRO stage 3) on every backend: ``fully_shard(backend, module)``
+keeps on each rank 1/N of the module's own parameters, gathers them whole for its forward pass
+and reduce-scatters their gradients in the backward pass.
+
+A parameter of n elements, flattened and padded with zeros to N * c (c = ceil(n / N)), is cut
+into N **shards** of c; rank r keeps shard r, a 1-d array at the parameter's key. A unit's own
+parameters (those of no fully sharded submodule) travel in one all-gather per dtype, and their
+gradients in one reduce-scatter per dtype (``Reduction.reduce(scatter=True)``: averaged once).
+"""
+
+import functools
+import socket
+import weakref
+
+import mlx.core as mx
+from mlx import nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .arrays import evaluate, is_floating
+from .collectives import allgather, allreduce, bcast, check_backend, check_count, check_same
+from .reduction import Reduction
+from .tree import replace_arrays
+
+_units = []  # weak references to every fully sharded module of this process
+
+
+class FullyShardedModule(nn.Module):
+    """The class a module gets from ``fully_shard`` (a subclass of its own): its own parameters are
+    this rank's shards, gathered whole for each call."""
+
+    def __call__(self, *args, **kwargs):
+        return _call(self, super().__call__, args, kwargs)
+
+
+class _Unit:
+    """What ``fully_shard`` keeps of a module (outside its parameters)."""
+
+    def __init__(self, backend, shapes, compute_dtype, reshard):
+        self.backend, self.shapes, self.compute_dtype, self.reshard = backend, shapes, compute_dtype, reshard
+        self.reduction = Reduction(backend, "avg")
+
+
+def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):
+    """Collective: ``module`` (returned, in place) keeps of each of its own parameters this rank's
+    shard of rank 0's values; apply it to the blocks first, then to the root. Each call gathers
+    the whole parameters (in ``compute_dtype`` if given: a floating dtype to compute in), and
+    the backward pass gives the shards' gradients, averaged over the ranks; frozen parameters
+    are gathered and never reduced. ``reshard_after_forward``: a module without fully sharded
+    submodules lets its whole parameters go after its forward pass and gathers them again to
+    recompute it in the backward pass (as ``mx.checkpoint``): one block's whole parameters live
+    at a time; else they live until the backward pass."""
+    check_backend(backend)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"du.fully_shard: expected an mlx.nn.Module, got {type(module).__name__}")
+    check_mlx_sharding(backend, module, "du.fully_shard", replicated_ok=False)
+    if isinstance(module, FullyShardedModule):
+        return module
+    own = _own(module)
+    layout = [(k, a.shape, str(a.dtype)) for k, a in own]
+    settings = {"parameters (key, shape, dtype)": layout, "compute_dtype": str(compute_dtype)}
+    check_same(backend, "du.fully_shard", {**settings, "reshard_after_forward": reshard_after_forward})
+    shards = []
+    for key, a in own:  # one parameter whole at a time
+        shards.append((key, shard_of(bcast(backend, a), backend.size, backend.rank)))
+        mx.eval(shards[-1][1])
+    module.update(tree_unflatten(shards))
+    shapes = {key: a.shape for key, a in own}
+    object.__setattr__(module, "_du_unit", _Unit(backend, shapes, compute_dtype, reshard_after_forward))
+    module.__class__ = _sharded_class(type(module))
+    _units.append(weakref.ref(module))
+    return module
+
+
+@functools.cache
+def _sharded_class(cls):
+    return type(f"FullySharded{cls.__name__}", (FullyShardedModule, cls), {})
+
+
+def _own(module) -> list:
+    """``[(key, array)]``: ``module``'s parameters that belong to no fully sharded submodule."""
+
+    def keep(m, k, v):
+        return not isinstance(v, FullyShardedModule) and nn.Module.valid_parameter_filter(m, k, v)
+
+    return tree_flatten(module.filter_and_map(keep))
+
+
+def shard_of(a, size: int, rank: int) -> mx.array:
+    """Rank's shard of ``a``: elements r * c .. (r + 1) * c - 1 of it, flattened and zero-padded."""
+    c = -(-a.size // size)
+    flat = a.reshape(-1)
+    if c * size > a.size:
+        flat = mx.concatenate([flat, mx.zeros((c * size - a.size,), a.dtype)])
+    return mx.contiguous(flat[rank * c : (rank + 1) * c])  # (a copy: the whole goes)
+
+
+def _by_dtype(arrays) -> list:
+    groups = {}
+    for i, a in enumerate(arrays):
+        groups.setdefault(a.dtype, []).append(i)
+    return list(groups.values())
+
+
+def gather(backend, shards: list, shapes: list) -> list:
+    """Collective: the whole arrays of ``shapes`` from every rank's ``shards``, one all-gather per dtype."""
+    out = [None] * len(shards)
+    for group in _by_dtype(shards):
+        parts = [shards[i] for i in group]
+        rows = allgather(backend, mx.concatenate(parts) if len(parts) > 1 else parts[0])
+        rows, at = rows.reshape(backend.size, -1), 0
+        for i in group:
+            n, c = _size(shapes[i]), shards[i].size
+            out[i] = rows[:, at : at + c].reshape(-1)[:n].reshape(shapes[i])
+            at += c
+    return out
+
+
+def _size(shape) -> int:
+    return functools.reduce(lambda a, b: a * b, shape, 1)
+
+
+def _reduce_scatter(unit, cotangents, shards, what) -> list:
+    """Collective: each shard's gradient from this rank's gradients of the whole parameters, summed
+    over the ranks and averaged (``unit.reduction``), in the shard's dtype."""
+    size, groups, flats = unit.backend.size, _by_dtype(shards), {}
+    for g, group in enumerate(groups):
+        rows = []
+        for i in group:
+            flat = cotangents[i].astype(shards[i].dtype).reshape(-1)
+            pad = size * shards[i].size - flat.size
+            flat = mx.concatenate([flat, mx.zeros((pad,), flat.dtype)]) if pad else flat
+            rows.append(flat.reshape(size, -1))
+        flats[str(g)] = mx.concatenate(rows, axis=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
+    reduced = unit.reduction.reduce(flats, scatter=True, verify=False, what=what).wait()
+    out = [None] * len(shards)
+    for g, group in enumerate(groups):
+        cuts = list(_running([shards[i].size for i in group]))[:-1]
+        for i, part in zip(group, mx.split(reduced[str(g)], cuts) if cuts else [reduced[str(g)]]):
+            out[i] = part
+    return out
+
+
+def _running(sizes):
+    total = 0
+    for s in sizes:
+        total += s
+        yield total
+
+
+def _call(module, forward, args, kwargs):
+    """``forward(*args, **kwargs)`` with ``module``'s own parameters whole (see ``fully_shard``)."""
+    unit, own = module._du_unit, dict(_own(module))
+    trainable = own.keys() & {k for k, _ in tree_flatten(module.trainable_parameters())}
+    keys = [k for k in own if k in trainable]  # gathered with a gradient: reduce-scattered
+    frozen = [k for k in own if k not in trainable]
+    what = f"fully_shard({type(module).__name__})"
+
+    def whole(shards, names):
+        cast = [s.astype(unit.compute_dtype) if unit.compute_dtype else s for s in shards]
+        return gather(unit.backend, cast, [unit.shapes[k] for k in names])
+
+    gathered = mx.custom_function(lambda shards: whole(shards, keys))
+    gathered.vjp(lambda shards, cotangents, _: _reduce_scatter(unit, cotangents, shards, what + " backward"))
+
+    def run(full, a, k):  # forward with the whole parameters, then the shards again
+        frozen_full = [mx.stop_gradient(x) for x in whole([own[k] for k in frozen], frozen)]
+        module.update(tree_unflatten(list(zip(keys + frozen, list(full) + frozen_full))))
+        try:
+            return forward(*a, **k)
+        finally:
+            module.update(tree_unflatten(list(own.items())))
+
+    shards = [own[k] for k in keys]
+    nested = any(isinstance(m, FullyShardedModule) and m is not module for _, m in module.named_modules())
+    if not unit.reshard or nested:
+        return run(gathered(shards), args, kwargs)
+    return _recomputed(run, whole, keys, shards, args, kwargs, what, unit)
+
+
+def _recomputed(run, whole, keys, shards, args, kwargs, what, unit):
+    """``run``'s result as a function whose backward pass gathers the parameters again and recomputes
+    the forward pass (``reshard_after_forward``); only its floating array inputs get gradients."""
+    inputs = [a for _, a in tree_flatten((args, kwargs)) if isinstance(a, mx.array)]
+    floating = [i for i, a in enumerate(inputs) if is_floating(a.dtype)]
+
+    def call(full, floats):
+        xs = list(inputs)
+        for i, x in zip(floating, floats):
+            xs[i] = x
+        a, k = replace_arrays((args, kwargs), xs)
+        out = run(full, a, k)
+        if not isinstance(out, mx.array):
+            raise TypeError(
+                f"{what}: reshard_after_forward=True needs a module that returns one array, not a "
+                f"{type(out).__name__}; pass reshard_after_forward=False"
+            )
+        return out
+
+    def forward(shards, floats):
+        key = mx.random.state[0]
+        out = call(whole(shards, keys), floats)
+        evaluate(out)  # (its graph, and the whole parameters in it, go now)
+        if not mx.array_equal(key, mx.random.state[0]).item():
+            raise ValueError(
+                f"{what}: reshard_after_forward=True recomputes the forward pass in the backward pass, "
+                "and this module draws random numbers (dropout?); pass reshard_after_forward=False"
+            )
+        return out
+
+    def backward(primals, cotangent, _):
+        shards, floats = primals
+        flat = lambda *a: call(a[: len(shards)], a[len(shards) :])  # noqa: E731 (mx.vjp takes a flat list)
+        _, grads = mx.vjp(flat, [*whole(shards, keys), *floats], [cotangent])
+        evaluate(grads[len(shards) :])
+        return _reduce_scatter(unit, grads[: len(shards)], shards, what + " backward"), grads[len(shards) :]
+
+    recomputed = mx.custom_function(forward)
+    recomputed.vjp(backward)
+    return recomputed(shards, [inputs[i] for i in floating])
+
+
+# --- what the rest of the library asks of fully sharded models ----------------------------------
+
+
+def sharded(model, backend=None) -> dict:
+    """``{flat key: (whole shape, backend)}`` of ``model``'s parameters that are shards of fully
+    sharded submodules (over ``backend``, if given)."""
+    out = {}
+    if isinstance(model, nn.Module):
+        for path, m in model.named_modules():
+            unit = getattr(m, "_du_unit", None)
+            if unit is not None and backend in (None, unit.backend):
+                prefix = f"{path}." if path else ""
+                out.update({prefix + k: (shape, unit.backend) for k, shape in unit.shapes.items()})
+    return out
+
+
+def any_alive() -> bool:
+    """Whether this process holds a fully sharded module."""
+    return any(ref() is not None for ref in _units)
+
+
+def param_key(key: str, sharded_keys) -> str:
+    """The parameter ``key`` (or an optimizer state entry of it: ``key.m``) is of, if sharded, else None."""
+    parent = key.rpartition(".")[0]
+    return key if key in sharded_keys else parent if parent in sharded_keys else None
+
+
+def whole_tree(tree, shards: dict):
+    """Collective: ``tree`` (parameters, or an optimizer state keyed by them) with every shard at a key
+    of ``shards`` (``sharded``) gathered whole."""
+    if not shards:
+        return tree
+    flat = []
+    for key, a in tree_flatten(tree):
+        param = param_key(key, shards) if isinstance(a, mx.array) else None
+        if param is not None:
+            shape, backend = shards[param]
+            a = allgather(backend, a)[: _size(shape)].reshape(shape)
+        flat.append((key, a))
+    return tree_unflatten(flat)
+
+
+def shard_tree(tree, shards: dict):
+    """``whole_tree``'s inverse, on this rank: this rank's shard of each whole array at a key of ``shards``."""
+    if not shards:
+        return tree
+    flat = []
+    for key, a in tree_flatten(tree):
+        param = param_key(key, shards) if isinstance(a, mx.array) else None
+        if param is not None:
+            a = shard_of(a, shards[param][1].size, shards[param][1].rank)
+        flat.append((key, a))
+    return tree_unflatten(flat)
+
+
+def whole_shapes(tree, shards: dict):
+    """``tree`` with a stand-in of the whole shape (unevaluated zeros) for each shard: what ``whole_tree`` gives."""
+    if not shards:
+        return tree
+    flat = []
+    for key, a in tree_flatten(tree):
+        param = param_key(key, shards) if isinstance(a, mx.array) else None
+        flat.append((key, a if param is None else mx.zeros(shards[param][0], a.dtype)))
+    return tree_unflatten(flat)
+
+
+def clip_grad_norm(backend, gradients, max_norm: float):
+    """Collective: ``(gradients scaled so that their global norm is at most max_norm, the global
+    norm)``: the norm over every rank's ``gradients`` (its shards, as MLX's ``clip_grad_norm_sharded``)."""
+    leaves = tree_flatten(gradients)
+    local = sum((mx.square(g.astype(mx.float32)).sum() for _, g in leaves), mx.array(0.0, mx.float32))
+    norm = mx.sqrt(allreduce(backend, local, "sum"))
+    factor = mx.minimum(max_norm / (norm + 1e-6), 1.0)
+    return tree_unflatten([(k, (g * factor).astype(g.dtype)) for k, g in leaves]), norm
+
+
+def split(backend, color: int):
+    """Collective: a backend over the ranks of ``backend`` that pass the same ``color`` (an int >= 0),
+    ranked as in ``backend`` (MPI's ``Comm.Split``, MLX's ``Group.split``); BackendUnavailableError
+    where the transport has none (MLX's ring)."""
+    check_backend(backend)
+    color = check_count(color, 0, "du.split: color")
+    sub = backend if backend.size == 1 else backend.split(color)
+    hosts = allgather(sub, socket.gethostname())
+    sub.node_rank = hosts[: sub.rank].count(hosts[sub.rank])
+    return sub
+
+
+# --- MLX's own sharded layers ----------------------------------------------------------------
+
+
+def check_mlx_sharding(backend, model, who: str, replicated_ok=True):
+    """Collective: ValueError on every rank if ``model`` holds MLX's own sharded layers whose
+    parameters differ across ``backend``'s ranks (``nn.fully_shard``'s module; ``shard_linear``'s
+    layers, unless ``replicated_ok`` and every rank of ``backend`` holds the same shard: tensor
+    parallel over another group): broadcasting, averaging or saving one rank's would be wrong."""
+    from mlx.nn.layers import distributed as mlx_sharded
+
+    tensor_parallel = tuple(
+        getattr(mlx_sharded, name)
+        for name in ("AllToShardedLinear", "ShardedToAllLinear", "QuantizedAllToShardedLinear")
+        + ("QuantizedShardedToAllLinear",)
+    )
+    layers = [] if not isinstance(model, nn.Module) else model.named_modules()
+    found = [
+        (p or "the model", m)
+        for p, m in layers
+        if isinstance(m, tensor_parallel + (mlx_sharded.FullyShardedModule,))
+    ]
+    found = [(p, m) for p, m in found if not isinstance(m, tensor_parallel) or m.group.size() > 1]
+    if not found:
+        return
+    path, layer = found[0]
+    ranks = [m.group.rank() if isinstance(m, tensor_parallel) else -1 for _, m in found]
+    if replicated_ok and -1 not in ranks and len({tuple(r) for r in allgather(backend, ranks)}) == 1:
+        return
+    raise ValueError(
+        f"{who}: '{path}' is MLX's {type(layer).__name__}, whose parameters differ by rank here: du would "
+        "treat them as replicated (broadcast, average or save one rank's). Use du.fully_shard, or give du "
+        "a backend over ranks that hold the same shard (du.split)"
+    )

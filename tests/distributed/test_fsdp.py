@@ -1,0 +1,236 @@
+"""du.fully_shard alone and under the launcher: N ranks train like one process on the union of
+their batches (and bit for bit like the replicated DistributedOptimizer), each rank holding
+1/N of the parameters, gradients and optimizer state; frozen parameters, compute dtypes,
+clipping, checkpoints, groups, and MLX's own sharded layers."""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import pytest
+from mlx.nn.layers import distributed as mlx_sharded
+from mlx.utils import tree_flatten
+
+import distributed_utils as du
+from distributed_utils import fsdp
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d + 1)  # (odd sizes: no axis divides by N)
+        self.down = nn.Linear(2 * d + 1, d)
+
+    def __call__(self, x):
+        return x + self.down(nn.gelu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d=5, blocks=3):
+        super().__init__()
+        self.embed = nn.Linear(3, d)
+        self.blocks = [Block(d) for _ in range(blocks)]
+        self.norm = nn.RMSNorm(d)
+        self.head = nn.Linear(d, 2)
+
+    def __call__(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def loss_fn(model, x, y):
+    return nn.losses.mse_loss(model(x), y)
+
+
+def net(seed=0, **kwargs):
+    mx.random.seed(seed)
+    model = Net(**kwargs)
+    mx.eval(model.parameters())
+    return model
+
+
+def sharded(backend, model, **kwargs):
+    for block in model.blocks:
+        du.fully_shard(backend, block, **kwargs)
+    return du.fully_shard(backend, model, **kwargs)
+
+
+def batches(backend, steps=3, per_rank=4):
+    """Every rank's batches of each step (the same on every rank), and this rank's."""
+    mx.random.seed(7)
+    every = [(mx.random.normal((per_rank * backend.size, 3)), mx.random.normal((per_rank * backend.size, 2)))]
+    every += [(mx.random.normal(x.shape), mx.random.normal(y.shape)) for x, y in every * (steps - 1)]
+    rows = slice(backend.rank * per_rank, (backend.rank + 1) * per_rank)
+    return every, [(x[rows], y[rows]) for x, y in every]
+
+
+def train(model, opt, steps):
+    step = nn.value_and_grad(model, loss_fn)
+    for x, y in steps:
+        _, grads = step(model, x, y)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state)
+    return model
+
+
+def whole(model):
+    return dict(tree_flatten(fsdp.whole_tree(model.parameters(), fsdp.sharded(model))))
+
+
+def assert_close(a, b, atol=2e-5):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].shape == b[key].shape, key
+        assert mx.allclose(a[key], b[key], atol=atol).item(), (key, mx.abs(a[key] - b[key]).max().item())
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_n_ranks_train_like_one_process_on_the_union(backend, reshard):
+    every, mine = batches(backend)
+    model = train(
+        sharded(backend, net(), reshard_after_forward=reshard),
+        du.DistributedOptimizer(backend, optim.Adam(1e-2)),
+        mine,
+    )
+    one = train(net(), optim.Adam(1e-2), every)
+    assert_close(whole(model), dict(tree_flatten(one.parameters())))
+
+
+def test_bit_for_bit_like_the_replicated_optimizer(backend):
+    """The same sums of the same gradients, scaled alike: a reduce-scatter's part of the all-reduce."""
+    _, mine = batches(backend)
+    model = train(sharded(backend, net()), du.DistributedOptimizer(backend, optim.AdamW(1e-2)), mine)
+    replicated = train(net(), du.DistributedOptimizer(backend, optim.AdamW(1e-2)), mine)
+    expected = dict(tree_flatten(replicated.parameters()))
+    for key, a in whole(model).items():
+        assert mx.array_equal(a, expected[key]).item(), key
+
+
+def test_each_rank_holds_one_nth_of_the_parameters_and_state(backend):
+    model, full = sharded(backend, net()), net()
+    opt = du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    _, mine = batches(backend, steps=1)
+    train(model, opt, mine)
+    mine_params, whole_params = dict(tree_flatten(model.parameters())), dict(tree_flatten(full.parameters()))
+    assert mine_params.keys() == whole_params.keys()
+    for key, shard in mine_params.items():
+        assert shard.shape == (math.ceil(whole_params[key].size / backend.size),), key
+        assert dict(tree_flatten(opt.state))[key + ".m"].shape == shard.shape
+    # each shard is this rank's part of rank 0's parameters (fully_shard starts from rank 0's values)
+    fresh = sharded(backend, net(seed=backend.rank))  # other values on other ranks
+    assert_close(whole(fresh), dict(tree_flatten(net(seed=0).parameters())), atol=0)
+
+
+def test_frozen_parameters_are_gathered_and_never_reduced(backend):
+    every, mine = batches(backend)
+    model, one = net(), net()
+    model.embed.freeze()
+    one.embed.freeze()
+    model = sharded(backend, model)
+    frozen_before = dict(tree_flatten(model.embed.parameters()))
+    model = train(model, du.DistributedOptimizer(backend, optim.SGD(0.1)), mine)
+    train(one, optim.SGD(0.1), every)
+    assert_close(whole(model), dict(tree_flatten(one.parameters())))
+    for key, a in tree_flatten(model.embed.parameters()):
+        assert mx.array_equal(a, frozen_before[key]).item()
+
+
+def test_a_compute_dtype_gathers_and_computes_in_it_and_keeps_the_parameters(backend):
+    every, mine = batches(backend)
+    model = sharded(backend, net(), compute_dtype=mx.bfloat16)
+    train(model, du.DistributedOptimizer(backend, optim.SGD(0.1)), mine)
+    assert all(a.dtype == mx.float32 for _, a in tree_flatten(model.parameters()))
+    one = net()
+    one.set_dtype(mx.bfloat16)
+    train(one, optim.SGD(0.1), every)
+    assert_close(
+        whole(model), {k: a.astype(mx.float32) for k, a in tree_flatten(one.parameters())}, atol=3e-2
+    )
+
+
+def test_clip_grad_norm_is_the_norm_over_every_ranks_shards(backend):
+    every, mine = batches(backend, steps=1)
+    model = sharded(backend, net())
+    _, grads = nn.value_and_grad(model, loss_fn)(model, *mine[0])
+    clipped, norm = du.clip_grad_norm(backend, grads, 0.01)
+    one = net()
+    _, full = nn.value_and_grad(one, loss_fn)(one, *every[0])
+    expected, expected_norm = optim.clip_grad_norm(full, 0.01)
+    assert abs(norm.item() - expected_norm.item()) < 1e-5 * expected_norm.item()
+    gathered = dict(tree_flatten(fsdp.whole_tree(clipped, fsdp.sharded(model))))
+    assert_close(gathered, dict(tree_flatten(expected)), atol=1e-7)
+
+
+def test_a_checkpoint_holds_the_whole_model_and_resumes_bit_for_bit(backend, tmp_path):
+    _, mine = batches(backend, steps=4)
+    path = tmp_path / "ck.safetensors" if backend.rank == 0 else None
+    path = du.bcast(backend, str(path))
+    model, opt = sharded(backend, net()), du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    train(model, opt, mine[:2])
+    du.save_checkpoint(backend, path, model=model, optimizer=opt, step=2)
+    train(model, opt, mine[2:])
+    again, opt2 = sharded(backend, net(seed=3)), du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    du.load_checkpoint(backend, path, model=again, optimizer=opt2)
+    train(again, opt2, mine[2:])
+    for key, a in whole(model).items():
+        assert mx.array_equal(a, whole(again)[key]).item(), key
+    saved = mx.load(path)  # the whole parameters, at their own keys (a plain safetensors file)
+    assert saved["model.head.weight"].shape == (2, 5)
+
+
+def test_refused_where_it_cannot_be_right(backend):
+    _, mine = batches(backend, steps=1)
+    model = sharded(backend, net())
+    _, grads = nn.value_and_grad(model, loss_fn)(model, *mine[0])
+    with pytest.raises(ValueError, match="averaged in its backward pass"):
+        du.DistributedOptimizer(backend, optim.SGD(0.1)).update(model, grads, weight=1.0)
+    with pytest.raises(ValueError, match="element by element"):
+        du.DistributedOptimizer(backend, optim.Adafactor()).update(model, grads)
+    with pytest.raises(ValueError, match="use update"):
+        du.DistributedOptimizer(backend, optim.SGD(0.1)).apply_gradients(grads, model.parameters())
+    with pytest.raises(ValueError, match="DiLoCo does not compose with du.fully_shard"):
+        du.DiLoCo(backend, optim.SGD(0.1)).update(model, grads)
+
+
+@pytest.mark.world(min_size=2)
+def test_mlx_own_sharded_layers_are_refused_on_every_rank(backend, tmp_path):
+    group = backend.group if isinstance(backend, du.MLXBackend) else mx.distributed.init()
+    if group.size() != backend.size:
+        pytest.skip("MLX's own group is a world of one here")
+    model = nn.Sequential(
+        mlx_sharded.AllToShardedLinear.from_linear(nn.Linear(4, 4 * backend.size), group=group)
+    )
+    for call in (
+        lambda: du.synchronize(backend, model),
+        lambda: du.DistributedOptimizer(backend, optim.SGD(0.1)).update(model, model.parameters()),
+        lambda: du.save_checkpoint(backend, tmp_path / "x", model=model),
+        lambda: du.fully_shard(backend, model),
+    ):
+        with pytest.raises(ValueError, match="AllToShardedLinear"):
+            call()
+
+
+def test_split_gives_a_backend_over_the_ranks_of_a_color(backend):
+    if isinstance(backend, du.RingBackend) and backend.size > 1:
+        with pytest.raises(du.BackendUnavailableError, match="cannot split"):
+            du.split(backend, backend.rank % 2)
+        return
+    pairs = du.split(backend, backend.rank // 2)
+    assert pairs.size == min(2, backend.size - backend.rank // 2 * 2) and pairs.rank == backend.rank % 2
+    assert du.allreduce(pairs, float(backend.rank), "sum") == sum(
+        range(backend.rank // 2 * 2, backend.rank // 2 * 2 + pairs.size)
+    )
+
+
+@pytest.mark.world(min_size=4)
+def test_hybrid_sharding_shards_within_a_group_and_averages_across(backend):
+    if isinstance(backend, du.RingBackend):
+        pytest.skip("MLX's ring has no Group.split")
+    every, mine = batches(backend)
+    local, across = du.split(backend, backend.rank // 2), du.split(backend, backend.rank % 2)
+    model = train(sharded(local, net()), du.DistributedOptimizer(across, optim.Adam(1e-2)), mine)
+    one = train(net(), optim.Adam(1e-2), every)
+    assert_close(whole(model), dict(tree_flatten(one.parameters())))
