@@ -31,9 +31,7 @@ def pytest_configure(config):
         job_dir.mkdir(exist_ok=True)
         config.option.basetemp = str(job_dir / f"rank{rank}")
     seed = os.environ.get("DU_HYPOTHESIS_SEED") or (job and str(int(job[:8], 16)))
-    if (
-        seed and getattr(config.option, "hypothesis_seed", "absent") is None
-    ):  # hypothesis there, no seed given
+    if seed and getattr(config.option, "hypothesis_seed", "absent") is None:  # hypothesis, no seed given
         config.option.hypothesis_seed = seed
 
 
