@@ -85,9 +85,8 @@ class DistributedDataContainer:
 
     def num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
         """Batches per epoch, the same on every rank."""
-        return partition.batch_count(
-            self._n, self.world_size, check_count(batch_size, 1, f"{self._label}: batch_size"), drop_last
-        )
+        batch_size = check_count(batch_size, 1, f"{self._label}: batch_size")
+        return partition.batch_count(self._n, self.world_size, batch_size, drop_last)
 
     def state_dict(self) -> dict:
         """Where the job is in the data (the same on every rank), for ``save_checkpoint(data=)``:
