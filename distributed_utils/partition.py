@@ -2,8 +2,7 @@
 
 Rank r of P owns the contiguous items ``shard_bounds(N, P, r)`` (``np.array_split``'s, Lux's
 when P divides N, any P): disjoint shards that cover the data. ``batch_size`` is one size for
-every rank, or the list of every rank's (``share_sizes``, for unequal hosts).
-"""
+every rank, or the list of every rank's (``share_sizes``, for unequal hosts)."""
 
 import numpy as np
 

@@ -5,8 +5,7 @@ loaded wherever distributed_utils is installed; in a job of several ranks:
   exits 1 and the launcher stops the others and names it (they would wait for it otherwise);
 - each rank gets its own ``--basetemp`` (else ranks remove each other's directories);
 - hypothesis draws from one seed for every rank (they must issue the same collectives), new
-  for each job and shown in the header: ``DU_HYPOTHESIS_SEED=N`` repeats a run.
-"""
+  for each job and shown in the header: ``DU_HYPOTHESIS_SEED=N`` repeats a run."""
 
 import os
 import tempfile

@@ -2,8 +2,7 @@
 
 Every collective runs inside ``Collective(...)``, an entry in the table of regions in flight that a
 daemon thread checks. Past its timeout an entry is reported, and after ``GRACE`` seconds (for the
-other ranks' reports) ``os._exit(WATCHDOG_EXIT)`` ends the process; the launcher stops the others.
-"""
+other ranks' reports) ``os._exit(WATCHDOG_EXIT)`` ends the process; the launcher stops the others."""
 
 import contextlib
 import faulthandler

@@ -1,7 +1,6 @@
 """The contract between du-launch and its ranks: the variables du-launch sets (``job_environment``),
 the exit codes, and the JSON records a rank writes for du-launch (``record`` / ``read_record``). And
-what a transport needs of the environment: the MPI library and its start, the ring's addresses.
-"""
+what a transport needs of the environment: the MPI library and its start, the ring's addresses."""
 
 import functools
 import json
