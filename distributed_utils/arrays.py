@@ -6,15 +6,13 @@ import numpy as np
 #: The mx dtypes by name (mx dtypes do not pickle; their names do).
 MX_DTYPES = {str(d).removeprefix("mlx.core."): d for d in vars(mx).values() if isinstance(d, mx.Dtype)}
 
-#: The numpy dtypes a collective accepts; each has an mx dtype of the same name.
-NUMPY_DTYPES = {np.dtype(name) for name in MX_DTYPES if name != "bfloat16"}  # (numpy has no bfloat16)
+#: The numpy dtypes a collective accepts (numpy has no bfloat16), and the mx dtype of the same name
+#: (a numpy dtype's ``.name`` takes microseconds).
+MX_BY_NUMPY = {np.dtype(name): d for name, d in MX_DTYPES.items() if name != "bfloat16"}
 DTYPE_NAMES = "bool, (u)int8-64, float16, bfloat16, float32, float64, complex64"
-#: The mx dtype of each numpy dtype that travels (a numpy dtype's ``.name`` takes microseconds).
-MX_BY_NUMPY = {d: MX_DTYPES[d.name] for d in NUMPY_DTYPES}
 
 #: The unsigned integer dtype of each item size in bytes: views that carry any array's bits.
 UINT_BY_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
-
 
 #: The floats too narrow to sum in (they overflow or round early; MPI has no type for them).
 NARROW_FLOATS = (mx.float16, mx.bfloat16)
@@ -27,16 +25,14 @@ def widened(a):
 
 def check_travels(x):
     """``x`` if its dtype can travel on every backend, else a TypeError naming it."""
-    if isinstance(x, np.ndarray) and x.dtype not in NUMPY_DTYPES:
+    if isinstance(x, np.ndarray) and x.dtype not in MX_BY_NUMPY:
         raise TypeError(f"dtype {x.dtype} is not supported; use one of {DTYPE_NAMES}")
     return x
 
 
 def is_floating(dtype) -> bool:
     """Whether ``dtype`` (mx or numpy) is a floating or complex type."""
-    if isinstance(dtype, np.dtype):
-        return dtype.kind in "fc"
-    return mx.issubdtype(dtype, mx.inexact)
+    return dtype.kind in "fc" if isinstance(dtype, np.dtype) else mx.issubdtype(dtype, mx.inexact)
 
 
 def to_mx(a: np.ndarray) -> mx.array:
@@ -97,9 +93,7 @@ def signature(x):
 
 def show(sig) -> str:
     """A signature as text: ``float32(3, 4)``."""
-    if isinstance(sig, tuple):
-        return f"{sig[0]}{sig[1]}"
-    return str(sig)
+    return f"{sig[0]}{sig[1]}" if isinstance(sig, tuple) else str(sig)
 
 
 def evaluate(*values) -> bool:

@@ -1,8 +1,7 @@
 """The collectives, and the one door every collective of the library passes (``_door``).
 
 Every function here that takes a backend is collective: all ranks call it, in the same order,
-with arrays of the same shape and dtype. Python objects travel pickled, as bytes.
-"""
+with arrays of the same shape and dtype. Python objects travel pickled, as bytes."""
 
 import hashlib
 import operator
@@ -60,9 +59,8 @@ def allreduce(backend, x, op):
 
 
 def _nan_wins(backend, a, op):
-    """max or min where a NaN on any rank wins (transports keep it or not by its rank): in one
-    collective, the values with NaNs made the losing infinity, and the NaN flags (1 for max,
-    -1 for min: the op itself spreads them)."""
+    """max or min where a NaN on any rank wins (transports keep it or not by its rank), in one
+    collective: NaNs made the losing infinity, beside NaN flags (1 for max, -1 for min: the op spreads)."""
     nan = mx.isnan(a).reshape(-1)
     loser, flag = (-mx.inf, 1) if op == "max" else (mx.inf, -1)
     both = mx.concatenate([mx.where(nan, loser, a.reshape(-1)).astype(a.dtype), (nan * flag).astype(a.dtype)])
@@ -159,10 +157,9 @@ _in_flight = None  # the results of the start_sum not yet waited for (the transp
 
 
 def _door(backend, what, arrays, primitive, *details, wait=True):
-    """The one door: ``primitive(arrays)`` as one watched collective (``watchdog.py``), its inputs
-    evaluated before the clock starts, its result inside (unless ``wait=False``), after the
-    debug check; a transport's error names the rank and the collective. While MLX traces a
-    function, nothing is evaluated or checked."""
+    """The one door: ``primitive(arrays)`` as one watched collective, its inputs evaluated before the
+    clock starts, its result inside (unless ``wait=False``), after the debug check; a transport's error
+    names the rank and the collective. While MLX traces a function, nothing is evaluated or checked."""
     if _in_flight is not None:  # a start_sum not yet waited for: the transport carries one at a time
         finish(_in_flight)
     tracing = not (isinstance(arrays, np.ndarray) or evaluate(arrays))  # (numpy needs no evaluation)

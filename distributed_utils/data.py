@@ -1,9 +1,5 @@
-"""DistributedDataContainer: this rank's share of a data set, and equal-length epochs of batches.
-
-The split is ``partition.py``'s, without communication. The container never copies the data:
-it reads items (a batch's rows in one ``data[indices]`` for arrays and Hugging Face datasets)
-when they are asked for.
-"""
+"""DistributedDataContainer: this rank's share of a data set (``partition.py``'s split), and
+equal-length epochs of batches. The data is never copied: a batch's rows are read when asked for."""
 
 import functools
 import operator
@@ -14,9 +10,8 @@ import warnings
 import mlx.core as mx
 import numpy as np
 
-from . import watchdog
+from . import partition, watchdog
 from .collectives import allgather, check_count, check_same
-from . import partition
 from .registry import local_rank, total_workers
 
 #: ``batches(share="auto")`` times this many steps (after one warm-up step) of each epoch.
@@ -24,15 +19,11 @@ AUTO_SHARE_STEPS = 4
 
 
 class DistributedDataContainer:
-    """This rank's share of ``data``: a sequence (``len`` and ``data[i]``), a numpy or mx array
-    (first axis), a tuple or dict of those indexed together (``(x, y)`` gives ``(x[i], y[i])``),
-    or a Hugging Face ``datasets.Dataset``. ``collate``: a function from a list of items to a
-    batch (else items are stacked); ``lengths``: each item's length (an array, or a function of
-    an item), for ``batches`` to group items of similar lengths.
-
-    Collective at construction (every rank passes data of the same length); then ``len()``,
-    ``container[i]`` (global item ``indices[i]``) and iteration cover this rank's shard, locally.
-    """
+    """This rank's share of ``data``: a sequence, a numpy or mx array (first axis), a tuple or dict
+    of those indexed together, or a ``datasets.Dataset``. ``collate``: a list of items -> a batch
+    (else stacked); ``lengths``: each item's length (an array, or a function of an item), for
+    ``batches`` to group similar lengths. Collective at construction (every rank passes data of the
+    same length); then ``len()``, ``container[i]`` and iteration cover this rank's shard, locally."""
 
     def __init__(self, backend, data, *, collate=None, lengths=None):
         self.backend = backend
@@ -94,9 +85,8 @@ class DistributedDataContainer:
 
     def num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
         """Batches per epoch, the same on every rank."""
-        return partition.batch_count(
-            self._n, self.world_size, check_count(batch_size, 1, f"{self._label}: batch_size"), drop_last
-        )
+        batch_size = check_count(batch_size, 1, f"{self._label}: batch_size")
+        return partition.batch_count(self._n, self.world_size, batch_size, drop_last)
 
     def state_dict(self) -> dict:
         """Where the job is in the data (the same on every rank), for ``save_checkpoint(data=)``:
@@ -218,13 +208,9 @@ class DistributedDataContainer:
         """Collective: every rank's batch size for ``share`` (a number; "auto": the sizes last
         measured, else those saved, else equal)."""
         if share == "auto":
-            saved = (self._resume or {}).get("batch_size")
+            saved, total = (self._resume or {}).get("batch_size"), batch_size * self.world_size
             for sizes in (self._auto_sizes, saved, [batch_size] * self.world_size):
-                if (
-                    isinstance(sizes, list)
-                    and len(sizes) == self.world_size
-                    and sum(sizes) == batch_size * self.world_size
-                ):
+                if isinstance(sizes, list) and len(sizes) == self.world_size and sum(sizes) == total:
                     return sizes
         ok = isinstance(share, (int, float, np.number)) and not isinstance(share, bool) and 0 < share < np.inf
         shares = allgather(self.backend, np.array([float(share) if ok else np.nan]))

@@ -2,8 +2,7 @@
 
 Rank r of P owns the contiguous items ``shard_bounds(N, P, r)`` (``np.array_split``'s, Lux's
 when P divides N, any P): disjoint shards that cover the data. ``batch_size`` is one size for
-every rank, or the list of every rank's (``share_sizes``, for unequal hosts).
-"""
+every rank, or the list of every rank's (``share_sizes``, for unequal hosts)."""
 
 import numpy as np
 
@@ -18,18 +17,11 @@ def shard_bounds(n: int, world_size: int, rank: int) -> tuple:
     return start, start + q + (rank < r)
 
 
-def samples_per_rank(n: int, world_size: int, batch_size: int, drop_last: bool) -> int:
-    """Items every rank visits per epoch: ``ceil(n / P)``, or ``drop_last``'s full batches without repeats."""
-    if drop_last:
-        return (n // world_size) // batch_size * batch_size
-    return -(-n // world_size)
-
-
 def batch_count(n: int, world_size: int, batch_size, drop_last: bool) -> int:
-    """Batches per epoch, the same on every rank."""
-    if isinstance(batch_size, list):
-        return n // sum(batch_size) if drop_last else -(-n // sum(batch_size))
-    return -(-samples_per_rank(n, world_size, batch_size, drop_last) // batch_size)
+    """Batches per epoch, the same on every rank: every rank visits ``ceil(n / P)`` items (``drop_last``:
+    full batches, no repeats), and ``ceil(ceil(n / P) / b)`` is ``ceil(n / (P * b))``."""
+    total = global_batch(world_size, batch_size)
+    return n // total if drop_last else -(-n // total)
 
 
 def share_sizes(batch_size: int, shares) -> list:
@@ -54,21 +46,19 @@ def global_batch(world_size, batch_size) -> int:
 def epoch_indices(
     n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=()
 ):
-    """The global indices rank visits in this epoch, in order: ``samples_per_rank`` items of the
-    epoch's order from the start of rank's shard, wrapping around; with every rank's batch size
-    (a list) its slice of each global batch instead. ``done``: the parts ``(world_size,
-    batch_size, batches)`` visited before (a restart, a re-split); the rest is sharded so."""
-    left = remaining_positions(n, done)
-    return epoch_order(n, shuffle, seed, epoch)[
-        left[_share(len(left), world_size, rank, batch_size, drop_last)]
-    ]
+    """The global indices rank visits in this epoch, in order: ``ceil(n / P)`` items (``drop_last``:
+    full batches) of the epoch's order from the start of rank's shard, wrapping around; with every
+    rank's batch size (a list) its slice of each global batch instead. ``done``: the parts
+    ``(world_size, batch_size, batches)`` visited before (a restart, a re-split); the rest is sharded so."""
+    order = _remaining_order(n, shuffle, seed, epoch, done)
+    return order[_share(len(order), world_size, rank, batch_size, drop_last)]
 
 
 def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, done=()):
     """``(indices, real)``: as ``epoch_indices``, but rank's shard alone, then its first item
     again (not ``real``) up to as many batches as every rank: each item once across the ranks."""
-    left = remaining_positions(n, done)
-    order, m = epoch_order(n, shuffle, seed, epoch)[left], len(left)
+    order = _remaining_order(n, shuffle, seed, epoch, done)
+    m = len(order)
     if isinstance(batch_size, list):  # in global batches: the positions past the end are filler
         positions = _global_batches(m, batch_size, rank, False)
     else:
@@ -92,33 +82,26 @@ def group_by_length(order, lengths, batch_size, real=None):
     return out
 
 
-def epoch_order(n, shuffle, seed, epoch) -> np.ndarray:
-    """``range(n)``, or with ``shuffle`` the permutation from ``np.random.default_rng((seed, epoch))``."""
-    return np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
-
-
-def remaining_positions(n: int, done=()) -> np.ndarray:
-    """The positions in an epoch's order not visited by the ``done`` parts, each run on what the
-    parts before it left."""
-    left = np.arange(n)
+def _remaining_order(n, shuffle, seed, epoch, done) -> np.ndarray:
+    """The epoch's order (``range(n)``, or with ``shuffle`` the permutation from
+    ``np.random.default_rng((seed, epoch))``) less the items the ``done`` parts visited, each part
+    run on what the parts before it left."""
+    order = np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
     for world_size, batch_size, batches in done:
-        visited = np.zeros(len(left), bool)
+        visited = np.zeros(len(order), bool)
         for rank in range(world_size):  # (the first batches of a share are the same with drop_last)
-            visited[
-                _share(len(left), world_size, rank, batch_size, False)[: batches * size_of(batch_size, rank)]
-            ] = True
-        left = left[~visited]
-    return left
+            share = _share(len(order), world_size, rank, batch_size, False)
+            visited[share[: batches * size_of(batch_size, rank)]] = True
+        order = order[~visited]
+    return order
 
 
 def _share(m, world_size, rank, batch_size, drop_last) -> np.ndarray:
     """Which of ``m`` positions rank visits, in order: its shard's, wrapping around the end."""
-    if m == 0:
-        return np.arange(0)
     if isinstance(batch_size, list):
         return _global_batches(m, batch_size, rank, drop_last) % m
-    start, _ = shard_bounds(m, world_size, rank)
-    return (start + np.arange(samples_per_rank(m, world_size, batch_size, drop_last))) % m
+    count = batch_count(m, world_size, batch_size, True) * batch_size if drop_last else -(-m // world_size)
+    return (shard_bounds(m, world_size, rank)[0] + np.arange(count)) % m
 
 
 def _global_batches(m, sizes, rank, drop_last) -> np.ndarray:

@@ -3,8 +3,7 @@
 Schedulers send SIGTERM (or SIGUSR1: ``#SBATCH --signal=B:USR1@90``), then kill the job;
 du-launch forwards either to every rank as SIGUSR1 and waits ``--grace`` seconds. After its
 first call, ``preempted`` makes both signals mark this rank instead of ending it; once it
-returned True, du-launch exits 75 (``contract.PREEMPTED_EXIT``) when the job ends well.
-"""
+returned True, du-launch exits 75 (``contract.PREEMPTED_EXIT``) when the job ends well."""
 
 import signal
 

@@ -5,8 +5,7 @@ loaded wherever distributed_utils is installed; in a job of several ranks:
   exits 1 and the launcher stops the others and names it (they would wait for it otherwise);
 - each rank gets its own ``--basetemp`` (else ranks remove each other's directories);
 - hypothesis draws from one seed for every rank (they must issue the same collectives), new
-  for each job and shown in the header: ``DU_HYPOTHESIS_SEED=N`` repeats a run.
-"""
+  for each job and shown in the header: ``DU_HYPOTHESIS_SEED=N`` repeats a run."""
 
 import os
 import tempfile
@@ -31,9 +30,7 @@ def pytest_configure(config):
         job_dir.mkdir(exist_ok=True)
         config.option.basetemp = str(job_dir / f"rank{rank}")
     seed = os.environ.get("DU_HYPOTHESIS_SEED") or (job and str(int(job[:8], 16)))
-    if (
-        seed and getattr(config.option, "hypothesis_seed", "absent") is None
-    ):  # hypothesis there, no seed given
+    if seed and getattr(config.option, "hypothesis_seed", "absent") is None:  # hypothesis, no seed given
         config.option.hypothesis_seed = seed
 
 

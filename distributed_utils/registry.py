@@ -14,8 +14,7 @@ def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> Abst
     """Collective: start ``backend_type`` (``du.MPIBackend``, say; by default the one the
     launcher started, else a world of one) once; later calls return it. ``timeout``: seconds
     after which an unfinished collective ends the job (default ``DU_TIMEOUT``, else 300; 0:
-    never); ``debug``: check each collective across ranks first (default ``DU_DEBUG``).
-    """
+    never); ``debug``: check each collective across ranks first (default ``DU_DEBUG``)."""
     if backend_type is None:
         name = contract.launched_backend_name()
         if name is not None and name not in BY_LAUNCH_NAME:
@@ -61,8 +60,7 @@ def initialized(backend_type) -> bool:
 
 def get_distributed_backend(backend_type) -> AbstractBackend:
     """The backend object that ``initialize(backend_type)`` started."""
-    _check_backend_type(backend_type)
-    if backend_type not in _BACKENDS:
+    if not initialized(backend_type):
         name = backend_type.__name__
         raise RuntimeError(f"{name} is not initialized: call du.initialize(du.{name}) first (on every rank)")
     return _BACKENDS[backend_type]

@@ -1,10 +1,8 @@
 """The watchdog: a collective that does not finish in time ends the job with a report, not a hang.
 
-Every collective runs inside ``Collective(...)``: a sequence number and an entry in a table of
-regions in flight, which a daemon thread checks. Past its timeout an entry is reported, and
-after ``GRACE`` seconds (for the other ranks' reports) ``os._exit(WATCHDOG_EXIT)`` ends the process
-(the main thread is stuck in C code); the launcher stops the other ranks.
-"""
+Every collective runs inside ``Collective(...)``, an entry in the table of regions in flight that a
+daemon thread checks. Past its timeout an entry is reported, and after ``GRACE`` seconds (for the
+other ranks' reports) ``os._exit(WATCHDOG_EXIT)`` ends the process; the launcher stops the others."""
 
 import contextlib
 import faulthandler
@@ -59,12 +57,14 @@ def configure(timeout=None, debug=None):
 class Collective:
     """``with Collective(rank, what, details, arrays) as call``: watch one collective of this rank
     (``call`` is None when nested in another: part of it). ``what`` ("allreduce"), ``details``
-    ("sum") and the arrays are shown (``text``) only when asked: a signature costs microseconds."""
+    ("sum") and the arrays are shown (``text``) only when asked: a signature costs microseconds.
+    A ``watch`` region is a Collective registered without entering it (``seq`` 0)."""
 
     start = None  # when it began, once registered
+    seq = 0
 
     def __init__(self, rank: int, what: str, details=(), arrays=None):
-        self.rank, self.what, self.details, self.arrays, self.seq = rank, what, details, arrays, 0
+        self.rank, self.what, self.details, self.arrays = rank, what, details, arrays
 
     def __enter__(self):
         if _state.depth:
@@ -94,13 +94,6 @@ class Collective:
         return f"#{self.seq} {self.what}({', '.join(shown + more + list(self.details))})"
 
 
-class _Region:
-    """A region of ``watch``."""
-
-    def __init__(self, what, rank, timeout):
-        self.what, self.rank, self.timeout = what, rank, timeout
-
-
 def waited() -> float:
     """Seconds this process has spent in collectives: the rest of a step is its own work."""
     return _state.waited
@@ -113,7 +106,9 @@ def watch(what: str, timeout=None):
     compiled step whose collectives run at your ``mx.eval``: ``with du.watch("train step"): ...``.
     """
     configure()
-    region = _register(_Region(what, _state.rank, _state.timeout if timeout is None else float(timeout)))
+    region = Collective(_state.rank, what)
+    region.timeout = _state.timeout if timeout is None else float(timeout)
+    _register(region)
     try:
         yield
     finally:
@@ -144,7 +139,6 @@ def _register(region):
     _state.inflight[region] = None
     if _state.thread is None:  # (started: no lock to take at every collective)
         _start_thread()
-    return region
 
 
 def _start_thread():
@@ -182,7 +176,7 @@ def _expire(entries):
     now = time.monotonic()
     for e in entries:
         rank = launched_rank() if e.rank is None else e.rank
-        name = f"collective {e.text(limit=3)}" if isinstance(e, Collective) else f"'{e.what}'"
+        name = f"collective {e.text(limit=3)}" if e.seq else f"'{e.what}'"
         since = time.strftime("%H:%M:%S", time.localtime(time.time() - (now - e.start)))
         stopped = sum(min(b, now) - max(a, e.start) for a, b in _state.stopped if b > e.start)
         also = f"; this process itself was stopped for {stopped:.1f} s of it" if stopped > 1 else ""

@@ -1,10 +1,8 @@
-"""The contract between du-launch and its ranks, in one place: the variables du-launch sets
-(``job_environment``; read by the functions below), the exit codes, and the records a rank writes
-for du-launch (one JSON line each, ``record`` / ``read_record``; the lines for people stay beside
-them). And what a transport needs of the environment: the MPI library and its initialization
-order, the ring's addresses. docs/architecture.md has the table.
-"""
+"""The contract between du-launch and its ranks: the variables du-launch sets (``job_environment``),
+the exit codes, and the JSON records a rank writes for du-launch (``record`` / ``read_record``). And
+what a transport needs of the environment: the MPI library and its start, the ring's addresses."""
 
+import functools
 import json
 import os
 import shutil
@@ -192,25 +190,19 @@ def mlx_mpi_available() -> bool:
     return mx.distributed.is_available("mpi")
 
 
-_mlx_mpi_started = False
-
-
+@functools.cache  # (once: a call that raises is not cached)
 def start_mlx_mpi():
     """Initialize MLX's MPI backend once, under ``mpirun``, before mpi4py: MLX's fails silently (a
     world of one) after mpi4py's MPI_Init, while mpi4py accepts MLX's. BackendUnavailableError
     when it cannot: no libmpi, or mpi4py was first."""
-    global _mlx_mpi_started
     import mlx.core as mx
 
-    if _mlx_mpi_started or not launched_by_mpirun():
+    if not launched_by_mpirun():
         return
     if not mlx_mpi_available():
-        named = os.environ.get("MLX_MPI_LIBNAME")
-        why = (
-            f"MLX_MPI_LIBNAME={named} did not load"
-            if named
-            else "none found; set MLX_MPI_LIBNAME to its libmpi"
-        )
+        why = "none found; set MLX_MPI_LIBNAME to its libmpi"
+        if os.environ.get("MLX_MPI_LIBNAME"):
+            why = f"MLX_MPI_LIBNAME={os.environ['MLX_MPI_LIBNAME']} did not load"
         raise BackendUnavailableError(f"MLX's MPI backend cannot load an MPI library: {why}")
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized():
@@ -220,4 +212,3 @@ def start_mlx_mpi():
             "importing mpi4py.MPI yourself"
         )
     mx.distributed.init(strict=True, backend="mpi")
-    _mlx_mpi_started = True
