@@ -14,6 +14,7 @@ import weakref
 
 import mlx.core as mx
 from mlx import nn
+from mlx import optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .arrays import evaluate, is_floating
@@ -87,64 +88,31 @@ def _own(module) -> list:
 
 def shard_of(a, size: int, rank: int) -> mx.array:
     """Rank's shard of ``a``: elements r * c .. (r + 1) * c - 1 of it, flattened and zero-padded."""
-    c = -(-a.size // size)
-    flat = a.reshape(-1)
-    if c * size > a.size:
-        flat = mx.concatenate([flat, mx.zeros((c * size - a.size,), a.dtype)])
+    flat = _padded(a.reshape(-1), size)
+    c = flat.size // size
     return mx.contiguous(flat[rank * c : (rank + 1) * c])  # (a copy: the whole goes)
 
 
-def _by_dtype(arrays) -> list:
-    groups = {}
-    for i, a in enumerate(arrays):
-        groups.setdefault(a.dtype, []).append(i)
-    return list(groups.values())
+def _padded(flat, size: int):
+    """``flat`` and zeros after it, to a multiple of ``size`` elements."""
+    pad = -flat.size % size
+    return mx.concatenate([flat, mx.zeros((pad,), flat.dtype)]) if pad else flat
 
 
 def gather(backend, shards: list, shapes: list) -> list:
-    """Collective: the whole arrays of ``shapes`` from every rank's ``shards``, one all-gather per dtype."""
-    out = [None] * len(shards)
-    for group in _by_dtype(shards):
-        parts = [shards[i] for i in group]
-        rows = allgather(backend, mx.concatenate(parts) if len(parts) > 1 else parts[0])
-        rows, at = rows.reshape(backend.size, -1), 0
-        for i in group:
-            n, c = _size(shapes[i]), shards[i].size
-            out[i] = rows[:, at : at + c].reshape(-1)[:n].reshape(shapes[i])
-            at += c
-    return out
+    """Collective: the whole arrays of ``shapes`` from every rank's ``shards`` (an all-gather each)."""
+    return [allgather(backend, s)[: _size(shape)].reshape(shape) for s, shape in zip(shards, shapes)]
 
 
 def _size(shape) -> int:
     return functools.reduce(lambda a, b: a * b, shape, 1)
 
 
-def _reduce_scatter(unit, cotangents, shards, what) -> list:
-    """Collective: each shard's gradient from this rank's gradients of the whole parameters, summed
-    over the ranks and averaged (``unit.reduction``), in the shard's dtype."""
-    size, groups, flats = unit.backend.size, _by_dtype(shards), {}
-    for g, group in enumerate(groups):
-        rows = []
-        for i in group:
-            flat = cotangents[i].astype(shards[i].dtype).reshape(-1)
-            pad = size * shards[i].size - flat.size
-            flat = mx.concatenate([flat, mx.zeros((pad,), flat.dtype)]) if pad else flat
-            rows.append(flat.reshape(size, -1))
-        flats[str(g)] = mx.concatenate(rows, axis=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
-    reduced = unit.reduction.reduce(flats, scatter=True, verify=False, what=what).wait()
-    out = [None] * len(shards)
-    for g, group in enumerate(groups):
-        cuts = list(_running([shards[i].size for i in group]))[:-1]
-        for i, part in zip(group, mx.split(reduced[str(g)], cuts) if cuts else [reduced[str(g)]]):
-            out[i] = part
-    return out
-
-
-def _running(sizes):
-    total = 0
-    for s in sizes:
-        total += s
-        yield total
+def reduce_scatter(reduction, wholes: dict, *, what, scale=1.0, weight=None) -> dict:
+    """Collective: ``{key: this rank's shard of wholes[key] reduced over the ranks}``, by ``reduction``
+    (``Reduction.reduce(scatter=True)``: averaged, or weighted, as it decides), the arrays padded."""
+    flats = {key: _padded(g.reshape(-1), reduction.backend.size) for key, g in wholes.items()}
+    return reduction.reduce(flats, scale=scale, weight=weight, scatter=True, verify=False, what=what).wait()
 
 
 def _call(module, forward, args, kwargs):
@@ -159,8 +127,12 @@ def _call(module, forward, args, kwargs):
         cast = [s.astype(unit.compute_dtype) if unit.compute_dtype else s for s in shards]
         return gather(unit.backend, cast, [unit.shapes[k] for k in names])
 
+    def scattered(shards, cotangents):  # the shards' gradients
+        wholes = {k: g.astype(s.dtype) for k, g, s in zip(keys, cotangents, shards)}
+        return list(reduce_scatter(unit.reduction, wholes, what=what + " backward").values())
+
     gathered = mx.custom_function(lambda shards: whole(shards, keys))
-    gathered.vjp(lambda shards, cotangents, _: _reduce_scatter(unit, cotangents, shards, what + " backward"))
+    gathered.vjp(lambda shards, cotangents, _: scattered(shards, cotangents))
 
     def run(full, a, k):  # forward with the whole parameters, then the shards again
         frozen_full = [mx.stop_gradient(x) for x in whole([own[k] for k in frozen], frozen)]
@@ -174,10 +146,10 @@ def _call(module, forward, args, kwargs):
     nested = any(isinstance(m, FullyShardedModule) and m is not module for _, m in module.named_modules())
     if not unit.reshard or nested:
         return run(gathered(shards), args, kwargs)
-    return _recomputed(run, whole, keys, shards, args, kwargs, what, unit)
+    return _recomputed(run, whole, scattered, keys, shards, args, kwargs, what)
 
 
-def _recomputed(run, whole, keys, shards, args, kwargs, what, unit):
+def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
     """``run``'s result as a function whose backward pass gathers the parameters again and recomputes
     the forward pass (``reshard_after_forward``); only its floating array inputs get gradients."""
     inputs = [a for _, a in tree_flatten((args, kwargs)) if isinstance(a, mx.array)]
@@ -212,7 +184,7 @@ def _recomputed(run, whole, keys, shards, args, kwargs, what, unit):
         flat = lambda *a: call(a[: len(shards)], a[len(shards) :])  # noqa: E731 (mx.vjp takes a flat list)
         _, grads = mx.vjp(flat, [*whole(shards, keys), *floats], [cotangent])
         evaluate(grads[len(shards) :])
-        return _reduce_scatter(unit, grads[: len(shards)], shards, what + " backward"), grads[len(shards) :]
+        return scattered(shards, grads[: len(shards)]), grads[len(shards) :]
 
     recomputed = mx.custom_function(forward)
     recomputed.vjp(backward)
@@ -305,6 +277,27 @@ def split(backend, color: int):
     hosts = allgather(sub, socket.gethostname())
     sub.node_rank = hosts[: sub.rank].count(hosts[sub.rank])
     return sub
+
+
+#: Optimizers whose update is element by element: their state can be split anywhere.
+ELEMENTWISE = (optim.SGD, optim.Adam, optim.Lion, optim.RMSprop, optim.Adagrad, optim.AdaDelta, optim.Adamax)
+
+
+def check_elementwise(optimizer, who: str):
+    """ValueError unless ``optimizer`` updates each element on its own: only then does a step on
+    shards equal the step on the whole parameters."""
+    if isinstance(optimizer, ELEMENTWISE) and not isinstance(optimizer, optim.MultiOptimizer):
+        return
+    why = {
+        "Adafactor": "it factors each matrix's second moment into row and column statistics",
+        "MultiOptimizer": "it picks an optimizer for each parameter by its name",
+        "Muon": "it orthogonalizes each matrix's update as a whole",
+    }.get(type(optimizer).__name__, "it is not known to update each element on its own")
+    names = ", ".join(c.__name__ for c in ELEMENTWISE) + " (and AdamW, a subclass of Adam)"
+    raise ValueError(
+        f"{who} steps shards of the parameters, which is exact only for element-by-element optimizers "
+        f"({names}); {type(optimizer).__name__} cannot be split so: {why}"
+    )
 
 
 # --- MLX's own sharded layers ----------------------------------------------------------------

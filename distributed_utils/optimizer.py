@@ -13,8 +13,7 @@ from . import fsdp
 from .arrays import bits, evaluate, widened
 from .collectives import check_backend, check_count, check_same
 from .reduction import Reduction, as_weight, inverse
-from .sharded import ShardedState, check_elementwise
-from .state import OptimizerState, check_plain, of, scalars
+from .state import OptimizerState, check_plain, has_entries, of, scalars
 
 
 class DistributedOptimizer(OptimizerState, optim.Optimizer):
@@ -34,9 +33,10 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         accumulate_steps: k > 1 sums k calls' gradients locally and reduces, at the k-th call,
             their mean (op "avg": like one process at batch k*N*B) or sum; the other calls send
             nothing and change nothing. The count lives in Python: keep ``update`` out of ``mx.compile``.
-        shard_optimizer_state: each rank keeps the state of its 1/N of the parameters (ZeRO
-            stage 1, ``sharded.py``); checkpoints hold the whole state, which loads into any
-            world size. For the element-by-element optimizers (``sharded.ELEMENTWISE``).
+        shard_optimizer_state: each rank keeps the state of its shard (``fsdp.shard_of``) of each
+            parameter (ZeRO stage 1): a step reduce-scatters the gradients, steps this rank's
+            shards and all-gathers the parameters; checkpoints hold the whole state, which loads
+            into any world size. For the element-by-element optimizers (``fsdp.ELEMENTWISE``).
     """
 
     def __init__(
@@ -55,7 +55,10 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         k = check_count(accumulate_steps, 1, "DistributedOptimizer: accumulate_steps")
         self.backend, self.optimizer, self.accumulate_steps = backend, optimizer, k
         self.reduction = Reduction(backend, op, compression, bucket_bytes)
-        self.shards = ShardedState(backend, optimizer, self.reduction) if shard_optimizer_state else None
+        self.sharded = bool(shard_optimizer_state)
+        if self.sharded:
+            fsdp.check_elementwise(optimizer, "DistributedOptimizer(shard_optimizer_state=True)")
+        self._layout = {}  # sharded: {key: (whole shape, backend)} of the parameters whose state is
         self._checked = False  # the ranks' parameters and settings, at the first update
         self._sum, self._weight, self._calls = None, None, 0  # this accumulation cycle's, on this rank
 
@@ -72,8 +75,15 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
     )
 
     def init(self, parameters):
-        """The wrapped optimizer's ``init`` (of this rank's share when sharded); local."""
-        (self.optimizer if self.shards is None else self.shards).init(parameters)
+        """The wrapped optimizer's ``init`` (of this rank's shards when sharded); local."""
+        self.optimizer.init(self._my_shards(parameters) if self.sharded else parameters)
+
+    def _my_shards(self, parameters):
+        leaves = dict(tree_flatten(parameters))
+        self._layout = {k: (a.shape, self.backend) for k, a in leaves.items()}
+        return tree_unflatten(
+            [(k, fsdp.shard_of(a, self.backend.size, self.backend.rank)) for k, a in leaves.items()]
+        )
 
     # --- the state (state.OptimizerState) ---------------------------------------------------
 
@@ -81,25 +91,26 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         return of(self.optimizer).rule_name()
 
     def initialized(self) -> bool:
-        return of(self.optimizer).initialized() if self.shards is None else self.shards.initialized
+        return of(self.optimizer).initialized()
 
     def shared_state(self) -> dict:
-        return self.state if self.shards is None else scalars(self.state)  # (sharded: each its slices)
+        return scalars(self.state) if self.sharded else self.state  # (sharded: each its shards)
 
     def set_shared_state(self, state: dict):
-        if self.shards is None:
-            self.state = state
-        else:
+        if self.sharded:
             self.state.update(state)
+        else:
+            self.state = state
 
     def whole_state(self) -> dict:
-        return self.state if self.shards is None else self.shards.whole_state()
+        return fsdp.whole_tree(self.state, self._layout) if self.sharded else self.state
 
     def load_whole_state(self, state: dict, model=None):
-        if self.shards is None:
-            self.state = state
-        else:
-            self.shards.load_whole_state(state)
+        if self.sharded and has_entries(state):  # (the shapes of the whole state's entries)
+            entries = {k: a for k, a in tree_flatten(state) if k.partition(".")[0] not in scalars(state)}
+            self._layout = {k.rpartition(".")[0]: (a.shape, self.backend) for k, a in entries.items()}
+            state = fsdp.shard_tree(state, self._layout)
+        self.state = state
 
     # --- the steps -----------------------------------------------------------------------
 
@@ -137,8 +148,8 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
             return None
         gradients, scale, weight = cycle
         what = "DistributedOptimizer.update(grads)"
-        if self.shards is not None:
-            return self.shards.step(gradients, parameters, scale, weight, what)
+        if self.sharded:
+            return self._sharded_step(gradients, parameters, scale, weight, what)
         if shards:  # the replicated parameters' gradients alone
             flat = dict(tree_flatten(gradients))
             replicated = {k: g for k, g in flat.items() if k not in shards}
@@ -148,17 +159,35 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         reduced = self.reduction.reduce(gradients, scale=scale, weight=weight, what=what).wait()
         return self.optimizer.apply_gradients(reduced, target)
 
+    def _sharded_step(self, gradients, parameters, scale, weight, what):
+        """ZeRO-1: this rank's shards of the reduced gradients (a reduce-scatter each), the wrapped
+        optimizer's step on this rank's shards of the parameters, the whole parameters all-gathered."""
+        grads = dict(self.reduction.check(gradients, weight, what, scale=scale))  # (the same tree everywhere)
+        mine = self._my_shards({k: p for k, p in tree_flatten(parameters) if k in grads})
+        if (
+            self.backend.native_reduce_scatter
+        ):  # (else all-reduced as unsharded, and cut: bit for bit the same)
+            grads = fsdp.reduce_scatter(self.reduction, grads, what=what, scale=scale, weight=weight)
+        else:
+            grads = self.reduction.reduce(grads, scale=scale, weight=weight, verify=False, what=what).wait()
+            grads = {k: fsdp.shard_of(g, self.backend.size, self.backend.rank) for k, g in grads.items()}
+        updated = tree_flatten(self.optimizer.apply_gradients(tree_unflatten(list(grads.items())), mine))
+        shapes = [self._layout[k][0] for k, _ in updated]
+        return tree_unflatten(
+            list(zip([k for k, _ in updated], fsdp.gather(self.backend, [a for _, a in updated], shapes)))
+        )
+
     def _check_start(self, parameters, model, shards, weight):
         """Collective: every rank starts alike (``check_start``); a fully sharded model's gradients were
         averaged in its backward pass, which only an element-by-element optimizer can step."""
         mine = dict(optimizer=self.rule_name(), accumulate_steps=self.accumulate_steps)
-        settings = {**mine, "shard_optimizer_state": self.shards is not None, **self.reduction.settings()}
+        settings = {**mine, "shard_optimizer_state": self.sharded, **self.reduction.settings()}
         fsdp.check_mlx_sharding(self.backend, model, "DistributedOptimizer")
         replicated = {k: p for k, p in tree_flatten(parameters) if k not in shards}
         check_start(self.backend, "DistributedOptimizer", replicated, settings)
         if shards:
-            check_elementwise(self.optimizer)
-            why = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.shards}
+            fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
+            why = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.sharded}
             why["weight="] = weight is not None
             bad = [name for name, yes in why.items() if yes]
             if bad:

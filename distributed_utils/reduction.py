@@ -75,7 +75,7 @@ class Reduction:
         N divides, and each comes back as this rank's part of the result (a reduce-scatter)."""
         what, weight = what or "reduce_gradients(grads)", None if weight is None else as_weight(weight)
         arrays = [g for _, g in self.check(tree, weight, what, verify, scale)]
-        if self.backend.size == 1 and weight is None and not scatter:
+        if self.backend.size == 1 and weight is None:  # (a reduce-scatter's one part is the whole)
             return Pending(tree, [g if scale == 1.0 else g * scale for g in arrays])
         if weight is not None:
             share = self._share(weight, what)

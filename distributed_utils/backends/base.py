@@ -3,6 +3,8 @@ only through ``collectives.py``, which check, watch and evaluate."""
 
 import abc
 
+import mlx.core as mx
+
 #: The reductions a transport implements. Averaging is not one: it is a sum with a scale.
 OPS = ("sum", "max", "min", "prod")
 
@@ -60,7 +62,7 @@ class AbstractBackend(abc.ABC):
         ``scale`` (c = length / size). Here: the whole sum, then the part (a native one sets
         ``native_reduce_scatter``)."""
         c = x.shape[0] // self.size
-        return self.allreduce([x], "sum", scale)[0][self.rank * c : (self.rank + 1) * c]
+        return mx.contiguous(self.allreduce([x], "sum", scale)[0][self.rank * c : (self.rank + 1) * c])
 
     def split(self, color: int) -> "AbstractBackend":
         """A backend over the ranks that pass the same ``color``, in this one's rank order."""

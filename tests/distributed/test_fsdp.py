@@ -99,12 +99,15 @@ def test_n_ranks_train_like_one_process_on_the_union(backend, reshard):
     assert_close(whole(model), dict(tree_flatten(one.parameters())))
 
 
-def test_bit_for_bit_like_the_replicated_optimizer(backend):
-    """The same sums of the same gradients, scaled alike: a reduce-scatter's part of the all-reduce."""
+def test_like_the_replicated_optimizer_bit_for_bit_at_two_ranks(backend):
+    """The same sums of the same gradients, scaled alike (at 3 or more ranks a sum's order may
+    differ from the all-reduce's: to rounding)."""
     _, mine = batches(backend)
     model = train(sharded(backend, net()), du.DistributedOptimizer(backend, optim.AdamW(1e-2)), mine)
     replicated = train(net(), du.DistributedOptimizer(backend, optim.AdamW(1e-2)), mine)
     expected = dict(tree_flatten(replicated.parameters()))
+    if backend.size > 2:
+        return assert_close(whole(model), expected, atol=1e-6)
     for key, a in whole(model).items():
         assert mx.array_equal(a, expected[key]).item(), key
 
@@ -187,7 +190,7 @@ def test_refused_where_it_cannot_be_right(backend):
     _, grads = nn.value_and_grad(model, loss_fn)(model, *mine[0])
     with pytest.raises(ValueError, match="averaged in its backward pass"):
         du.DistributedOptimizer(backend, optim.SGD(0.1)).update(model, grads, weight=1.0)
-    with pytest.raises(ValueError, match="element by element"):
+    with pytest.raises(ValueError, match="element-by-element"):
         du.DistributedOptimizer(backend, optim.Adafactor()).update(model, grads)
     with pytest.raises(ValueError, match="use update"):
         du.DistributedOptimizer(backend, optim.SGD(0.1)).apply_gradients(grads, model.parameters())
