@@ -46,10 +46,9 @@ def rank_main(args):
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     mx.random.seed(0)
     model = Llama(dims=args.dims, n_layers=args.layers, n_heads=4, mlp_dims=2 * args.dims)
-    if args.mode == "fsdp":
-        for layer in model.layers:
-            du.fully_shard(backend, layer)
-        du.fully_shard(backend, model)
+    if args.mode == "fsdp":  # each block, the embedding and the output layer, then the root
+        for unit in [*model.layers, model.embed, model.lm_head, model]:
+            du.fully_shard(backend, unit)
     else:
         du.synchronize(backend, model)
     mx.eval(model.parameters())

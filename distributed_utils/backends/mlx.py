@@ -8,7 +8,7 @@ root's bits (exact for NaN payloads and -0.0); prod gathers and multiplies.
 import mlx.core as mx
 
 from . import contract
-from ..arrays import UINT_BY_SIZE
+from ..arrays import UINT_BY_SIZE, evaluate
 from .base import AbstractBackend, BackendUnavailableError
 
 _REDUCE = {"sum": mx.distributed.all_sum, "max": mx.distributed.all_max, "min": mx.distributed.all_min}
@@ -72,6 +72,24 @@ class MLXBackend(AbstractBackend):
         ]
         mx.async_eval(out)
         return out
+
+    def reduce_scatter(self, x, scale=1.0):
+        # The ring algorithm's N - 1 steps over send/recv: half an all-reduce's bytes (MLX's ring and
+        # MPI have no sum_scatter). Each step is evaluated, odd ranks receiving first, so that no two
+        # ranks wait on each other; while MLX traces, the all-reduce's part.
+        if self.size == 1 or not evaluate(x):
+            return super().reduce_scatter(x, scale)
+        n, r, c = self.size, self.rank, x.shape[0] // self.size
+        x = x * scale if scale != 1.0 else x  # (as allreduce scales: the same sums at 2 ranks)
+        total = x[(r - 1) % n * c : ((r - 1) % n + 1) * c]
+        for step in range(n - 1):  # send the running sum of part r - step - 1 right, add part r - step - 2
+            sent = mx.distributed.send(total, (r + 1) % n, group=self.group, stream=self.stream)
+            got = mx.distributed.recv_like(total, (r - 1) % n, group=self.group, stream=self.stream)
+            for first in (got, sent) if r % 2 else (sent, got):
+                mx.eval(first)
+            k = (r - step - 2) % n
+            total = got + x[k * c : (k + 1) * c]
+        return total
 
     def bcast(self, x, root):
         bits = x.view(UINT_BY_SIZE[x.dtype.size])
