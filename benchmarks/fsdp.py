@@ -2,11 +2,12 @@
 and du.fully_shard (FSDP), side by side in one run, at N = 1, 2 and 4 ranks.
 
     python benchmarks/fsdp.py                       # options: --backend mpi --ns 1 2 4 --steps 4
-    python benchmarks/fsdp.py --dims 512 --layers 8 # a larger configuration
+    python benchmarks/fsdp.py --dims 512 --layers 8 --vocab 256   # blocks hold most parameters
     python benchmarks/fsdp.py --limit-mib 700 --ns 4 --modes replicated fsdp   # a per-rank limit
 
 The model is examples/llama_tinystories.py's Llama (default 4 layers, 256 dims: 28.4M float32
-parameters), AdamW, random tokens (2 x 64 a rank and step). Each mode and world size is a job
+parameters, 91% of them in the embedding and output layers), AdamW, random tokens (2 x 64 a rank
+and step); with ``fully_shard``, every block, the embedding, the output layer, then the root. Each mode and world size is a job
 of its own (``du-launch``), so that each peak is its own. Reported per job, the largest over
 the ranks: MLX's peak memory, the process's peak RSS, the median step time (after one warm-up
 step), and the final loss (the same data in every mode: the losses must agree). ``--limit-mib``
@@ -45,7 +46,7 @@ def rank_main(args):
         limit = data + args.limit_mib * 2**20
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     mx.random.seed(0)
-    model = Llama(dims=args.dims, n_layers=args.layers, n_heads=4, mlp_dims=2 * args.dims)
+    model = Llama(vocab=args.vocab, dims=args.dims, n_layers=args.layers, n_heads=4, mlp_dims=2 * args.dims)
     if args.mode == "fsdp":  # each block, the embedding and the output layer, then the root
         for unit in [*model.layers, model.embed, model.lm_head, model]:
             du.fully_shard(backend, unit)
@@ -86,6 +87,7 @@ def main():
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--dims", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--limit-mib", type=int, default=0)

@@ -183,7 +183,7 @@ def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
         shards, floats = primals
         flat = lambda *a: call(a[: len(shards)], a[len(shards) :])  # noqa: E731 (mx.vjp takes a flat list)
         _, grads = mx.vjp(flat, [*whole(shards, keys), *floats], [cotangent])
-        evaluate(grads[len(shards) :])
+        evaluate(grads)  # (the whole parameters and the activations recomputed go)
         return scattered(shards, grads[: len(shards)]), grads[len(shards) :]
 
     recomputed = mx.custom_function(forward)

@@ -80,7 +80,6 @@ class MLXBackend(AbstractBackend):
         if self.size == 1 or not evaluate(x):
             return super().reduce_scatter(x, scale)
         n, r, c = self.size, self.rank, x.shape[0] // self.size
-        x = x * scale if scale != 1.0 else x  # (as allreduce scales: the same sums at 2 ranks)
         total = x[(r - 1) % n * c : ((r - 1) % n + 1) * c]
         for step in range(n - 1):  # send the running sum of part r - step - 1 right, add part r - step - 2
             sent = mx.distributed.send(total, (r + 1) % n, group=self.group, stream=self.stream)
@@ -89,7 +88,7 @@ class MLXBackend(AbstractBackend):
                 mx.eval(first)
             k = (r - step - 2) % n
             total = got + x[k * c : (k + 1) * c]
-        return total
+        return total * scale if scale != 1.0 else total
 
     def bcast(self, x, root):
         bits = x.view(UINT_BY_SIZE[x.dtype.size])

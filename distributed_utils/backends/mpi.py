@@ -112,6 +112,16 @@ class MPIBackend(AbstractBackend):
     def barrier(self):
         self.comm.Barrier()
 
+    def reduce_scatter(self, x, scale=1.0):
+        if traced := self._while_tracing([x]):
+            return traced.reduce_scatter(x, scale)
+        sent = contiguous_numpy(widened(x))  # (x's own memory; MPI has no float16 or bfloat16)
+        part = np.empty(sent.size // self.size, sent.dtype)
+        self.comm.Reduce_scatter_block(sent, part, op=self._MPI.SUM)
+        if scale != 1.0:
+            np.multiply(part, scale, out=part, casting="unsafe")
+        return _like(part, x)
+
     def split(self, color):
         return MPIBackend(self.comm.Split(color, self.rank))
 

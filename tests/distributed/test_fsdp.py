@@ -233,3 +233,16 @@ def test_hybrid_sharding_shards_within_a_group_and_averages_across(backend):
     model = train(sharded(local, net()), du.DistributedOptimizer(across, optim.Adam(1e-2)), mine)
     one = train(net(), optim.Adam(1e-2), every)
     assert_close(whole(model), dict(tree_flatten(one.parameters())))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
+def test_the_reduce_scatter_of_every_backend_is_its_part_of_the_sum(backend, dtype):
+    """Exact on integers: rank r's part of the all-reduce, scaled (MPI's Reduce_scatter; MLX's ring
+    and MPI: a ring of send/recv; NCCL and JACCL: sum_scatter)."""
+    mx.random.seed(backend.rank)
+    for n in (backend.size, 1000 * backend.size):
+        x = mx.random.randint(-100, 100, (n,)).astype(dtype)
+        c = n // backend.size
+        whole = du.allreduce(backend, x, "sum")
+        expected = (whole[backend.rank * c : (backend.rank + 1) * c] * 0.5).astype(dtype)
+        assert mx.array_equal(backend.reduce_scatter(x, 0.5), expected).item()
