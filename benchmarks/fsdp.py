@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("replicated", "zero1", "fsdp")
+MODES = ("replicated", "zero1", "fsdp", "fsdp-keep")  # fsdp-keep: reshard_after_forward=False
 
 
 def rank_main(args):
@@ -47,9 +47,9 @@ def rank_main(args):
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     mx.random.seed(0)
     model = Llama(vocab=args.vocab, dims=args.dims, n_layers=args.layers, n_heads=4, mlp_dims=2 * args.dims)
-    if args.mode == "fsdp":  # each block, the embedding and the output layer, then the root
+    if args.mode.startswith("fsdp"):  # each block, the embedding and the output layer, then the root
         for unit in [*model.layers, model.embed, model.lm_head, model]:
-            du.fully_shard(backend, unit)
+            du.fully_shard(backend, unit, reshard_after_forward=args.mode == "fsdp")
     else:
         du.synchronize(backend, model)
     mx.eval(model.parameters())

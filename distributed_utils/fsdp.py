@@ -17,7 +17,7 @@ from mlx import nn
 from mlx import optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .arrays import evaluate, is_floating
+from .arrays import UINT_BY_SIZE, evaluate, is_floating, to_numpy
 from .collectives import allgather, allreduce, bcast, check_backend, check_count, check_same
 from .reduction import Reduction
 from .tree import replace_arrays
@@ -132,7 +132,7 @@ def _call(module, forward, args, kwargs):
         return list(reduce_scatter(unit.reduction, wholes, what=what + " backward").values())
 
     gathered = mx.custom_function(lambda shards: whole(shards, keys))
-    gathered.vjp(lambda shards, cotangents, _: scattered(shards, cotangents))
+    gathered.vjp(lambda shards, cotangents, _: _detached(scattered(shards, cotangents)))
 
     def run(full, a, k):  # forward with the whole parameters, then the shards again
         frozen_full = [mx.stop_gradient(x) for x in whole([own[k] for k in frozen], frozen)]
@@ -170,8 +170,7 @@ def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
 
     def forward(shards, floats):
         key = mx.random.state[0]
-        out = call(whole(shards, keys), floats)
-        evaluate(out)  # (its graph, and the whole parameters in it, go now)
+        out = _detached(call(whole(shards, keys), floats))  # (its graph, and the whole parameters, go)
         if not mx.array_equal(key, mx.random.state[0]).item():
             raise ValueError(
                 f"{what}: reshard_after_forward=True recomputes the forward pass in the backward pass, "
@@ -184,7 +183,7 @@ def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
         flat = lambda *a: call(a[: len(shards)], a[len(shards) :])  # noqa: E731 (mx.vjp takes a flat list)
         _, grads = mx.vjp(flat, [*whole(shards, keys), *floats], [cotangent])
         evaluate(grads)  # (the whole parameters and the activations recomputed go)
-        return scattered(shards, grads[: len(shards)]), grads[len(shards) :]
+        return _detached(scattered(shards, grads[: len(shards)])), _detached(grads[len(shards) :])
 
     recomputed = mx.custom_function(forward)
     recomputed.vjp(backward)
@@ -192,6 +191,18 @@ def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
 
 
 # --- what the rest of the library asks of fully sharded models ----------------------------------
+
+
+def _detached(a):
+    """``a`` (an array, or a list of them) evaluated and copied out of its graph: inside
+    ``mx.value_and_grad`` an evaluated array keeps its inputs (the whole parameters, the activations)
+    until the gradients are evaluated. While MLX traces, ``a`` itself."""
+    if isinstance(a, list):
+        return [_detached(x) for x in a]
+    if not evaluate(a):
+        return a
+    bits = UINT_BY_SIZE[a.dtype.size]
+    return mx.array(to_numpy(a.view(bits)), bits).view(a.dtype)
 
 
 def sharded(model, backend=None) -> dict:
