@@ -144,8 +144,8 @@ def _call(module, forward, args, kwargs):
 
     shards = [own[k] for k in keys]
     nested = any(isinstance(m, FullyShardedModule) and m is not module for _, m in module.named_modules())
-    if not unit.reshard or nested:
-        return run(gathered(shards), args, kwargs)
+    if not unit.reshard or nested:  # (MLX's custom_function crashes on an empty list)
+        return run(gathered(shards) if shards else [], args, kwargs)
     return _recomputed(run, whole, scattered, keys, shards, args, kwargs, what)
 
 

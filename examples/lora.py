@@ -17,7 +17,10 @@ built with mlx-lm's own classes from a fixed seed, the same on every rank. Then:
   process on the union of their tokens;
 - the logged loss is the per-token mean over every rank (``du.weighted_mean``);
 - validation visits every item exactly once (``batches(exactly_once=True)``);
-- a checkpoint every ``--save-every`` steps with the data position; ``--resume`` continues.
+- a checkpoint every ``--save-every`` steps with the data position; ``--resume`` continues;
+- ``--fsdp``: every layer and then the whole model fully sharded (``du.fully_shard``): each rank
+  holds 1/N of the frozen base and of the adapters; the step is not compiled, and each rank's loss
+  is weighted by its share of the tokens before the backward pass, which reduces the gradients.
 
 The adapters end in ``--out`` as mlx-lm writes them (``adapters.safetensors`` and
 ``adapter_config.json``): ``mlx_lm.tuner.utils.load_adapters(model, out)`` reads them.
@@ -132,6 +135,7 @@ def main():
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--resume", action="store_true", help="go on from the newest checkpoint in --out")
     p.add_argument("--log-ids", action="store_true", help="rank 0 prints each step's global batch (item ids)")
+    p.add_argument("--fsdp", action="store_true", help="shard the base and the adapters over the ranks")
     args = p.parse_args()
 
     backend = du.initialize()
@@ -153,6 +157,9 @@ def main():
 
     model = with_lora(base_model(tokenizer.get_vocab_size()))
     du.synchronize(backend, model, trainable_only=True)  # the adapters: root's; the base is the same
+    if args.fsdp:  # each rank keeps 1/N of every layer, then of the rest (rank 0's values)
+        for unit in [*model.layers, model]:
+            du.fully_shard(backend, unit)
     opt = du.DistributedOptimizer(backend, optim.Adam(learning_rate=args.lr))
     opt.init(model.trainable_parameters())
     step_no = 0
@@ -170,6 +177,19 @@ def main():
         (loss, ntoks), grads = loss_and_grad(model, tokens, lengths)
         opt.update(model, grads, weight=ntoks)  # the per-token mean over every rank's tokens
         return loss, ntoks
+
+    def weighted_loss(model, tokens, lengths):  # (--fsdp: the gradients are averaged in the backward pass)
+        loss, ntoks = default_loss(model, tokens, lengths)
+        share = du.total_workers(backend) * ntoks / du.allreduce(backend, ntoks, "sum")
+        return loss * share, (loss, ntoks)
+
+    def fsdp_step(tokens, lengths):
+        (_, (loss, ntoks)), grads = fsdp_loss_and_grad(model, tokens, lengths)
+        opt.update(model, grads)
+        return loss, ntoks
+
+    if args.fsdp:
+        fsdp_loss_and_grad, step = nn.value_and_grad(model, weighted_loss), fsdp_step
 
     model.train()
     while step_no < args.iters:

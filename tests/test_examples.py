@@ -238,3 +238,25 @@ def test_lora_example_steps_like_mlx_lm_trainer_and_resumes_exactly(backend, tmp
         assert ({**first, **second})[s] == losses[s], (s, first, second, losses)
     cut = mx.load(str(tmp_path / "cut" / "adapters.safetensors"))
     assert all(mx.array_equal(cut[k], saved[k]).item() for k in saved)  # the adapters too
+
+
+def test_lora_example_fully_sharded_steps_like_the_replicated_run(tmp_path):
+    """--fsdp: every layer and the model fully sharded over 2 ranks (the frozen base too); the same
+    losses and validation loss as the replicated run (to rounding: the backward pass is recomputed
+    per layer and the loss weighted before it), and adapters that mlx-lm reads."""
+    pytest.importorskip("mlx_lm", reason="the LoRA example needs the lm extra: pip install '.[lm]'")
+    import mlx.core as mx
+
+    replicated, losses = lora("ring", tmp_path, "replicated", "--iters", "8", "--save-every", "4")
+    sharded, sharded_losses = lora("ring", tmp_path, "sharded", "--iters", "8", "--save-every", "4", "--fsdp")
+    assert sorted(sharded_losses) == list(range(1, 9))
+    for s in losses:
+        assert abs(losses[s] - sharded_losses[s]) < 1e-4 * losses[s], (s, losses, sharded_losses)
+    valid = [float(re.search(r"validation loss (\S+)", run.stdout).group(1)) for run in (replicated, sharded)]
+    assert abs(valid[0] - valid[1]) < 1e-4 * valid[0], valid
+    mine, theirs = (
+        mx.load(str(tmp_path / out / "adapters.safetensors")) for out in ("sharded", "replicated")
+    )
+    assert mine.keys() == theirs.keys() and all(
+        mx.allclose(mine[k], theirs[k], atol=1e-5).item() for k in mine
+    )
