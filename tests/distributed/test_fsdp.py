@@ -10,7 +10,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import pytest
 from mlx.nn.layers import distributed as mlx_sharded
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 import distributed_utils as du
 from distributed_utils import fsdp
@@ -246,3 +246,17 @@ def test_the_reduce_scatter_of_every_backend_is_its_part_of_the_sum(backend, dty
         whole = du.allreduce(backend, x, "sum")
         expected = (whole[backend.rank * c : (backend.rank + 1) * c] * 0.5).astype(dtype)
         assert mx.array_equal(backend.reduce_scatter(x, 0.5), expected).item()
+
+
+def test_accumulation_and_a_schedule_train_like_one_process(backend):
+    every, mine = batches(backend, steps=4)
+    schedule = lambda: optim.Adam(optim.cosine_decay(1e-2, 4))  # noqa: E731
+    model = sharded(backend, net())
+    train(model, du.DistributedOptimizer(backend, schedule(), accumulate_steps=2), mine)
+    one, opt = net(), schedule()
+    step = nn.value_and_grad(one, loss_fn)
+    for pair in (every[:2], every[2:]):  # one process: the mean of the two calls' gradients
+        grads = [step(one, x, y)[1] for x, y in pair]
+        opt.update(one, tree_map(lambda a, b: (a + b) / 2, *grads))
+        mx.eval(one.parameters(), opt.state)
+    assert_close(whole(model), dict(tree_flatten(one.parameters())))
