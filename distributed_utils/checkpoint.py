@@ -135,10 +135,10 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
         found, read["arrays"], meta = _find_and_read(Path(path))
         return found, meta, None if meta is None else {k: signature(a) for k, a in read["arrays"].items()}
 
+    shards = _shards(backend, model, optimizer, "load_checkpoint")
     path, meta, saved = root_runs(backend, find_and_read, 0, CheckpointError, f"read {path}")
     if meta is None:
         return None
-    shards = _shards(backend, model, optimizer, "load_checkpoint")
     if model is not None:  # (a file saved with trainable_only holds those alone)
         parameters = model.trainable_parameters() if meta.get("trainable_only") else model.parameters()
         _check_fits(path, "model", saved, fsdp.whole_shapes(parameters, shards))
@@ -355,16 +355,18 @@ def _check_fits(path, section, saved, tree, exact=True):
         )
 
 
-def save_adapters(backend, path, model, config=None):
-    """Collective: rank 0 writes ``model``'s trainable parameters (LoRA adapters, say) to ``path``
-    atomically, as mlx-lm does (``model.load_weights(path, strict=False)`` reads them), and
+def save_adapters(backend, path, model, config=None, *, trainable_only=True):
+    """Collective: rank 0 writes ``model``'s trainable parameters (LoRA adapters, say; with
+    ``trainable_only=False`` all of them: a plain weights file) to ``path`` atomically, as mlx-lm
+    does (``model.load_weights(path, strict=False)`` reads them), a fully sharded model's whole, and
     ``config`` beside it as ``adapter_config.json``; CheckpointError on every rank if it could not."""
     check_backend(backend)
-    path = Path(path)
+    path, shards = Path(path), _shards(backend, model, None, "save_adapters")
 
     def write_config():
         if config is not None:
             (path.parent / "adapter_config.json").write_text(json.dumps(config, indent=4))
 
-    arrays = dict(tree_flatten(model.trainable_parameters()))
+    params = model.trainable_parameters() if trainable_only else model.parameters()
+    arrays = dict(tree_flatten(fsdp.whole_tree(params, shards)))
     _root_writes(backend, path, arrays, json.dumps({"format": "adapters"}), write_config)

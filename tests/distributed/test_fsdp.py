@@ -208,6 +208,8 @@ def test_mlx_own_sharded_layers_are_refused_on_every_rank(backend, tmp_path):
         lambda: du.synchronize(backend, model),
         lambda: du.DistributedOptimizer(backend, optim.SGD(0.1)).update(model, model.parameters()),
         lambda: du.save_checkpoint(backend, tmp_path / "x", model=model),
+        lambda: du.load_checkpoint(backend, tmp_path / "x", model=model),
+        lambda: du.DiLoCo(backend, optim.SGD(0.1)).update(model, model.parameters()),
         lambda: du.fully_shard(backend, model),
     ):
         with pytest.raises(ValueError, match="AllToShardedLinear"):
@@ -260,3 +262,22 @@ def test_accumulation_and_a_schedule_train_like_one_process(backend):
         opt.update(one, tree_map(lambda a, b: (a + b) / 2, *grads))
         mx.eval(one.parameters(), opt.state)
     assert_close(whole(model), dict(tree_flatten(one.parameters())))
+
+
+def test_synchronize_keeps_each_ranks_shards_and_sends_roots_replicated_parameters(backend):
+    model = net(seed=backend.rank)  # other values on every rank
+    for block in model.blocks:  # (the root stays replicated: embed, norm and head)
+        du.fully_shard(backend, block)
+    shards = {k: a for k, a in tree_flatten(model.parameters()) if k.startswith("blocks")}
+    opt = du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    opt.init(model.trainable_parameters())
+    opt.state["step"] = mx.array(backend.rank)
+    with pytest.raises(ValueError, match="pass model="):
+        du.synchronize(backend, opt)
+    du.synchronize(backend, model)
+    du.synchronize(backend, opt, model=model)
+    root = dict(tree_flatten(net(seed=0).parameters()))
+    for key, a in tree_flatten(model.parameters()):
+        expected = shards[key] if key in shards else root[key]
+        assert mx.array_equal(a, expected).item(), key
+    assert opt.state["step"].item() == 0
