@@ -176,9 +176,9 @@ class DiLoCo(OptimizerState, optim.Optimizer):
 
     def _step(self, gradients, parameters, weight):
         if self._global is None:
+            fsdp.check_mlx_sharding(self.backend, parameters, "DiLoCo")
             if fsdp.any_alive():  # (its parameters are reduced in the backward pass, each step)
                 raise ValueError("DiLoCo does not compose with du.fully_shard: use DistributedOptimizer")
-            fsdp.check_mlx_sharding(self.backend, parameters, "DiLoCo")
             if self.backend.size > 1:
                 settings = dict(
                     sync_every=self.sync_every, fragments=self.fragments, fragment_sync_delay=self.delay
