@@ -4,11 +4,14 @@ and reduce-scatters their gradients in the backward pass.
 
 A parameter of n elements, flattened and padded with zeros to N * c (c = ceil(n / N)), is cut
 into N **shards** of c; rank r keeps shard r, a 1-d array at the parameter's key. A unit's own
-parameters (those of no fully sharded submodule) travel in one all-gather per dtype, and their
-gradients in one reduce-scatter per dtype (``Reduction.reduce(scatter=True)``: averaged once).
+parameters (those of no fully sharded submodule) travel in an all-gather each, their gradients in
+a reduce-scatter each (``Reduction.reduce(scatter=True)``: averaged once). ZeRO-1 (the sharded
+optimizer state) and checkpoints use the same shards.
 """
 
+import collections
 import functools
+import math
 import socket
 import weakref
 
@@ -33,12 +36,8 @@ class FullyShardedModule(nn.Module):
         return _call(self, super().__call__, args, kwargs)
 
 
-class _Unit:
-    """What ``fully_shard`` keeps of a module (outside its parameters)."""
-
-    def __init__(self, backend, shapes, compute_dtype, reshard):
-        self.backend, self.shapes, self.compute_dtype, self.reshard = backend, shapes, compute_dtype, reshard
-        self.reduction = Reduction(backend, "avg")
+#: What ``fully_shard`` keeps of a module, outside its parameters (``shapes``: the whole ones by key).
+_Unit = collections.namedtuple("_Unit", "backend shapes compute_dtype reshard reduction")
 
 
 def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):
@@ -66,7 +65,8 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
         mx.eval(shards[-1][1])
     module.update(tree_unflatten(shards))
     shapes = {key: a.shape for key, a in own}
-    object.__setattr__(module, "_du_unit", _Unit(backend, shapes, compute_dtype, reshard_after_forward))
+    unit = _Unit(backend, shapes, compute_dtype, reshard_after_forward, Reduction(backend, "avg"))
+    object.__setattr__(module, "_du_unit", unit)
     module.__class__ = _sharded_class(type(module))
     _units.append(weakref.ref(module))
     return module
@@ -101,11 +101,11 @@ def _padded(flat, size: int):
 
 def gather(backend, shards: list, shapes: list) -> list:
     """Collective: the whole arrays of ``shapes`` from every rank's ``shards`` (an all-gather each)."""
-    return [allgather(backend, s)[: _size(shape)].reshape(shape) for s, shape in zip(shards, shapes)]
+    return [_whole(s, shape, backend) for s, shape in zip(shards, shapes)]
 
 
-def _size(shape) -> int:
-    return functools.reduce(lambda a, b: a * b, shape, 1)
+def _whole(shard, shape, backend):
+    return allgather(backend, shard)[: math.prod(shape)].reshape(shape)
 
 
 def reduce_scatter(reduction, wholes: dict, *, what, scale=1.0, weight=None) -> dict:
@@ -232,39 +232,27 @@ def param_key(key: str, sharded_keys) -> str:
 def whole_tree(tree, shards: dict):
     """Collective: ``tree`` (parameters, or an optimizer state keyed by them) with every shard at a key
     of ``shards`` (``sharded``) gathered whole."""
-    if not shards:
-        return tree
-    flat = []
-    for key, a in tree_flatten(tree):
-        param = param_key(key, shards) if isinstance(a, mx.array) else None
-        if param is not None:
-            shape, backend = shards[param]
-            a = allgather(backend, a)[: _size(shape)].reshape(shape)
-        flat.append((key, a))
-    return tree_unflatten(flat)
+    return _at_shards(tree, shards, lambda a, shape, backend: _whole(a, shape, backend))
 
 
 def shard_tree(tree, shards: dict):
     """``whole_tree``'s inverse, on this rank: this rank's shard of each whole array at a key of ``shards``."""
-    if not shards:
-        return tree
-    flat = []
-    for key, a in tree_flatten(tree):
-        param = param_key(key, shards) if isinstance(a, mx.array) else None
-        if param is not None:
-            a = shard_of(a, shards[param][1].size, shards[param][1].rank)
-        flat.append((key, a))
-    return tree_unflatten(flat)
+    return _at_shards(tree, shards, lambda a, _, backend: shard_of(a, backend.size, backend.rank))
 
 
 def whole_shapes(tree, shards: dict):
     """``tree`` with a stand-in of the whole shape (unevaluated zeros) for each shard: what ``whole_tree`` gives."""
+    return _at_shards(tree, shards, lambda a, shape, _: mx.zeros(shape, a.dtype))
+
+
+def _at_shards(tree, shards, fn):
+    """``tree`` with ``fn(array, whole shape, backend)`` for each array at (or under) a key of ``shards``."""
     if not shards:
         return tree
     flat = []
     for key, a in tree_flatten(tree):
         param = param_key(key, shards) if isinstance(a, mx.array) else None
-        flat.append((key, a if param is None else mx.zeros(shards[param][0], a.dtype)))
+        flat.append((key, a if param is None else fn(a, *shards[param])))
     return tree_unflatten(flat)
 
 
