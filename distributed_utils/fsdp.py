@@ -307,28 +307,24 @@ def check_mlx_sharding(backend, model, who: str, replicated_ok=True):
     parameters differ across ``backend``'s ranks (``nn.fully_shard``'s module; ``shard_linear``'s
     layers, unless ``replicated_ok`` and every rank of ``backend`` holds the same shard: tensor
     parallel over another group): broadcasting, averaging or saving one rank's would be wrong."""
-    from mlx.nn.layers import distributed as mlx_sharded
+    from mlx.nn.layers import distributed as mlx
 
-    tensor_parallel = tuple(
-        getattr(mlx_sharded, name)
-        for name in ("AllToShardedLinear", "ShardedToAllLinear", "QuantizedAllToShardedLinear")
-        + ("QuantizedShardedToAllLinear",)
-    )
-    layers = [] if not isinstance(model, nn.Module) else model.named_modules()
+    kinds = (mlx.FullyShardedModule, mlx.AllToShardedLinear, mlx.ShardedToAllLinear)
+    kinds += (mlx.QuantizedAllToShardedLinear, mlx.QuantizedShardedToAllLinear)
+    layers = model.named_modules() if isinstance(model, nn.Module) else []
     found = [
-        (p or "the model", m)
+        (p, m)
         for p, m in layers
-        if isinstance(m, tensor_parallel + (mlx_sharded.FullyShardedModule,))
+        if isinstance(m, kinds) and not (hasattr(m, "group") and m.group.size() == 1)
     ]
-    found = [(p, m) for p, m in found if not isinstance(m, tensor_parallel) or m.group.size() > 1]
     if not found:
         return
-    path, layer = found[0]
-    ranks = [m.group.rank() if isinstance(m, tensor_parallel) else -1 for _, m in found]
-    if replicated_ok and -1 not in ranks and len({tuple(r) for r in allgather(backend, ranks)}) == 1:
+    groups = [m.group.rank() for _, m in found if hasattr(m, "group")]  # (tensor parallel: a group each)
+    if replicated_ok and len(groups) == len(found) and all(g == groups for g in allgather(backend, groups)):
         return
+    path, layer = found[0]
     raise ValueError(
-        f"{who}: '{path}' is MLX's {type(layer).__name__}, whose parameters differ by rank here: du would "
-        "treat them as replicated (broadcast, average or save one rank's). Use du.fully_shard, or give du "
-        "a backend over ranks that hold the same shard (du.split)"
+        f"{who}: '{path or 'the model'}' is MLX's {type(layer).__name__}, whose parameters differ by rank "
+        "here: du would treat them as replicated (broadcast, average or save one rank's). Use "
+        "du.fully_shard, or give du a backend over ranks that hold the same shard (du.split)"
     )

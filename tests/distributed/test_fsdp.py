@@ -281,3 +281,30 @@ def test_synchronize_keeps_each_ranks_shards_and_sends_roots_replicated_paramete
         expected = shards[key] if key in shards else root[key]
         assert mx.array_equal(a, expected).item(), key
     assert opt.state["step"].item() == 0
+
+
+@pytest.mark.world(min_size=4, backend=(du.MPIBackend, du.MLXMPIBackend))  # (MLX's ring cannot split)
+def test_data_parallel_over_one_group_and_mlx_tensor_parallel_layers_over_the_other(backend):
+    """Ranks {0, 1} and {2, 3} each hold one model in tensor-parallel halves (MLX's shard_linear)
+    and train on their own batch; du averages over {0, 2} and {1, 3}: like one process on both."""
+    tensor = mx.distributed.init().split(backend.rank // 2)
+    data = du.split(backend, backend.rank % 2)
+    mx.random.seed(0)
+    whole = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    one = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    one.update(whole.parameters())
+    layers = [mlx_sharded.shard_linear(whole.layers[0], "all-to-sharded", group=tensor), nn.GELU()]
+    model = nn.Sequential(*layers, mlx_sharded.shard_linear(whole.layers[2], "sharded-to-all", group=tensor))
+    opt, reference = du.DistributedOptimizer(data, optim.SGD(0.1)), optim.SGD(0.1)
+    with pytest.raises(ValueError, match="MLX.s (AllToSharded|ShardedToAll)Linear"):  # over the tensor pairs
+        du.synchronize(backend, model)
+    for step in range(3):
+        mx.random.seed(step)
+        x, y = mx.random.normal((2, 8, 4)), mx.random.normal((2, 8, 2))
+        _, grads = nn.value_and_grad(model, loss_fn)(model, x[backend.rank // 2], y[backend.rank // 2])
+        opt.update(model, grads)
+        _, grads = nn.value_and_grad(one, loss_fn)(one, x.reshape(16, 4), y.reshape(16, 2))
+        reference.update(one, grads)
+        mx.eval(model.parameters(), one.parameters())
+    probe = mx.random.normal((5, 4))
+    assert mx.allclose(model(probe), one(probe), atol=1e-5).item()
