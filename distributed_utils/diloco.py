@@ -81,8 +81,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
     @property
     def state(self) -> dict:
         """This rank's inner and outer states and step count, and once initialized the global parameters."""
-        state = {"inner": self.inner_optimizer.state, "outer": self.outer_optimizer.state}
-        state["steps"] = mx.array(self._steps, mx.int64)
+        state = {"inner": self.inner_optimizer.state, "outer": self.outer_optimizer.state, "steps": self.step}
         return state if self._global is None else {**state, "global": self._global}
 
     @state.setter
@@ -110,11 +109,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
     def initialized(self) -> bool:
         return self._global is not None
 
-    def shared_state(self) -> dict:
-        return self.state
-
-    def set_shared_state(self, state: dict):
-        self.state = state
+    shared_state = state.fget  # (synchronize sends root's whole state)
+    set_shared_state = state.fset
 
     def init(self, parameters):
         """Local: start from ``parameters`` (those with gradients); the first ``update`` calls it."""

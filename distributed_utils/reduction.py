@@ -76,7 +76,7 @@ class Reduction:
         what, weight = what or "reduce_gradients(grads)", None if weight is None else as_weight(weight)
         arrays = [g for _, g in self.check(tree, weight, what, verify, scale)]
         if self.backend.size == 1 and weight is None:  # (a reduce-scatter's one part is the whole)
-            return Pending(tree, [g if scale == 1.0 else g * scale for g in arrays])
+            return Pending(replace_arrays(tree, [g if scale == 1.0 else g * scale for g in arrays]))
         if weight is not None:
             share = self._share(weight, what)
         else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards: no sum can overflow
@@ -97,7 +97,15 @@ class Reduction:
             sums = start_sum(self.backend, packed, transport_scale)
         else:  # in place: the packer's copies, or the caller's own arrays (as documented)
             sums = allreduce_arrays(self.backend, packed, "sum", transport_scale, in_place=True)
-        return Pending(tree, arrays, sums, groups, sent, units, scale, scatter)
+
+        def reduced():
+            out = [None] * len(arrays)
+            for group, total in zip(groups, finish(sums)):
+                for i, piece in zip(group, [total] if scatter else unpack(total, sent, group)):
+                    out[i] = piece if units is None else _scaled(piece, units[i] * scale, arrays[i].dtype)
+            return replace_arrays(tree, out)
+
+        return Pending(finish=reduced)
 
     def check(self, tree, weight, what, verify=True, scale=1.0) -> list:
         """Collective: ``[(key, array)]``, the (floating, else TypeError) mx.arrays of ``tree``, once
@@ -144,26 +152,14 @@ class Reduction:
 class Pending:
     """A reduction begun by ``Reduction.reduce``; ``wait()`` gives its tree (and then again)."""
 
-    def __init__(
-        self, tree, arrays=None, sums=None, groups=None, sent=None, units=None, scale=1.0, scatter=False
-    ):
-        """Of a tree done already: ``Pending(tree)``, or ``(tree, its new arrays)``."""
-        self.tree, self.arrays, self.sums, self.groups = tree, arrays, sums, groups
-        self.sent, self.units, self.scale, self.scatter = sent, units, scale, scatter
-        self.result = tree if arrays is None else replace_arrays(tree, arrays) if sums is None else None
+    def __init__(self, result=None, finish=None):
+        """Of a tree done already: ``Pending(tree)``; else ``finish()`` gives it (collective)."""
+        self.result, self.finish = result, finish
 
     def wait(self):
         """Collective (the first time, if started): the reduced tree."""
-        if self.result is None:
-            out = [None] * len(self.arrays)
-            for group, total in zip(self.groups, finish(self.sums)):
-                pieces = [total] if self.scatter else unpack(total, self.sent, group)
-                for i, piece in zip(group, pieces):
-                    unit = None if self.units is None else self.units[i]
-                    out[i] = (
-                        piece if unit is None else _scaled(piece, unit * self.scale, self.arrays[i].dtype)
-                    )
-            self.result = replace_arrays(self.tree, out)
+        if self.finish is not None:
+            self.result, self.finish = self.finish(), None
         return self.result
 
 
