@@ -32,9 +32,9 @@ def bcast(backend, x, root: int = 0):
     rank), or any picklable object, sent whole from root."""
     check_root(backend, root)
     if not isinstance(x, (mx.array, np.ndarray)):
-        return _bcast_object(backend, x, root)
-    arr, back = _as_mx(x)
-    return back(_door(backend, "bcast", arr, lambda a: backend.bcast(a, root), f"root={root}"))
+        return _objects(backend, x, root)[0]
+    arr, back = _as_array(x)
+    return back(_door(backend, "bcast", _mx(arr), lambda a: backend.bcast(a, root), f"root={root}"))
 
 
 def allreduce(backend, x, op):
@@ -45,7 +45,7 @@ def allreduce(backend, x, op):
     rank gives NaN there, on every backend."""
     op = _op_name(op)
     check_backend(backend)
-    arr, back = _as_mx(x) if isinstance(x, mx.array) else _as_numpy(x)
+    arr, back = _as_array(x)
     _check_op_dtype(op, arr.dtype)
     bools, nan_wins = arr.dtype in _BOOLS, op in ("max", "min") and is_floating(arr.dtype)
     if isinstance(arr, np.ndarray) and not (backend.host_buffers and not (bools or nan_wins)):
@@ -88,9 +88,9 @@ def allgather(backend, x):
     array); anything else, the list of every rank's ``x``."""
     check_backend(backend)
     if not isinstance(x, (mx.array, np.ndarray)):
-        return _allgather_object(backend, x)
-    arr, back = _as_mx(x)
-    arr = arr.reshape(1) if arr.ndim == 0 else arr
+        return _objects(backend, x)
+    arr, back = _as_array(x)
+    arr = _mx(arr.reshape(1) if arr.ndim == 0 else arr)
     return back(_door(backend, "allgather", arr, backend.allgather))
 
 
@@ -189,47 +189,34 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
 # --- objects: pickled, travelling as bytes ---------------------------------------------
 
 
-def _bcast_object(backend, obj, root):
-    """Root's picklable ``obj`` on every rank (a TypeError on every rank if some rank cannot
-    pickle or unpickle it)."""
+def _objects(backend, obj, root=None) -> list:
+    """Root's picklable ``obj`` on every rank, in a list (``root`` None: every rank's); a TypeError on
+    every rank if a rank cannot pickle or unpickle one. Sizes travel first, tagged, then the bytes."""
+    senders = range(backend.size) if root is None else [root]
+    send = (lambda a: allgather(backend, a)) if root is None else (lambda a: bcast(backend, a, root))
+    what = "allgather_object" if root is None else "bcast_object"
 
     def run(_):
-        payload, error = _pickled(obj) if backend.rank == root else (np.empty(0, np.uint8), None)
-        announced = bcast(backend, np.array([_OBJECT_TAG, payload.size]), root)
-        size = _announced(backend, announced, "bcast_object", [root])
-        payload = bcast(backend, payload if backend.rank == root else np.empty(int(size[0]), np.uint8), root)
-        received, error = (obj, error) if backend.rank == root else _unpickled(payload)
-        return _raise_for_failures(backend, received, error, f"the object rank {root} broadcasts")
-
-    return _door(backend, "bcast_object", None, run, f"root={root}")
-
-
-def _allgather_object(backend, obj) -> list:
-    """The list of every rank's picklable ``obj`` (a TypeError on every rank as above)."""
-
-    def run(_):
-        payload, error = _pickled(obj)
-        sizes = _announced(
-            backend, allgather(backend, np.array([_OBJECT_TAG, payload.size])), "allgather_object"
-        )
+        payload, error = _pickled(obj) if backend.rank in senders else (np.empty(0, np.uint8), None)
+        sizes = _announced(backend, send(np.array([_OBJECT_TAG, payload.size])), what, senders)
         padded = np.zeros((1, int(sizes.max())), np.uint8)
         padded[0, : payload.size] = payload
-        rows = allgather(backend, padded)
-        received = [_unpickled(row[:n]) for row, n in zip(rows, sizes)]
+        rows = send(padded)
+        received = [(obj, None)] if backend.rank == root else [_unpickled(r[:n]) for r, n in zip(rows, sizes)]
         error = error or next((e for _, e in received if e is not None), None)
-        return _raise_for_failures(backend, [r for r, _ in received], error, "the objects ranks gather")
+        whose = "the objects ranks gather" if root is None else f"the object rank {root} broadcasts"
+        return _raise_for_failures(backend, [r for r, _ in received], error, whose)
 
-    return _door(backend, "allgather_object", None, run)
+    return _door(backend, what, None, run, *([] if root is None else [f"root={root}"]))
 
 
 _OBJECT_TAG = 0x64755F6F626A  # "du_obj": announces an object's size, so that a mismatch is seen
 
 
-def _announced(backend, announced: np.ndarray, what: str, ranks=None) -> np.ndarray:
-    """The sizes ``ranks`` (default: all) announced (``[tag, size]`` each), else CollectiveMismatchError:
-    a rank that sent something else is in another collective (one more or fewer than this rank)."""
+def _announced(backend, announced: np.ndarray, what: str, ranks) -> np.ndarray:
+    """The sizes ``ranks`` announced (``[tag, size]`` each), else CollectiveMismatchError: a rank that
+    sent something else is in another collective (one more or fewer than this rank)."""
     pairs = announced.reshape(-1, 2)
-    ranks = range(len(pairs)) if ranks is None else ranks
     other = [r for r, (tag, size) in zip(ranks, pairs) if tag != _OBJECT_TAG or not 0 <= size < 2**40]
     if other:
         raise CollectiveMismatchError(
@@ -259,7 +246,7 @@ def _raise_for_failures(backend, result, error, what):
     """Collective: ``result``, unless some rank has an ``error``: then a TypeError on every rank."""
     failed = allgather(backend, np.array([error is not None]))
     if failed.any():
-        errors = _allgather_object(backend, error)
+        errors = _objects(backend, error)
         raise TypeError(f"{what}: " + "; ".join(f"rank {r} {errors[r]}" for r in np.flatnonzero(failed)))
     return result
 
@@ -273,7 +260,7 @@ def root_runs(backend, fn, root, error_type, doing: str):
             result = fn()
         except Exception as e:  # the other ranks must hear of it rather than wait
             error, cause = f"{type(e).__name__}: {e}", e
-    result, error = _bcast_object(backend, (result, error), root)
+    result, error = _objects(backend, (result, error), root)[0]
     if error is not None:
         raise error_type(f"rank {root} could not {doing}: {error}") from cause  # (root's traceback, on root)
     return result
@@ -286,7 +273,7 @@ def check_same(backend, who: str, values: dict, error=ValueError, explain=None):
     digest = np.frombuffer(hashlib.sha256(repr(values).encode()).digest(), np.uint8)
     if (allgather(backend, digest).reshape(backend.size, -1) == digest).all():
         return
-    everyone = _allgather_object(backend, values)
+    everyone = _objects(backend, values)
     if explain is not None:
         raise error(explain(everyone))
     name = next(name for name in values if len({repr(theirs[name]) for theirs in everyone}) > 1)
@@ -298,16 +285,10 @@ def check_same(backend, who: str, values: dict, error=ValueError, explain=None):
 # --- arguments -------------------------------------------------------------------------
 
 
-def _as_mx(x):
-    """``x`` as an mx.array, and the function that gives a result back as ``x``'s kind."""
-    check_travels(x)
-    if isinstance(x, np.ndarray):
-        return to_mx(x), to_numpy
-    return x, lambda r: r
-
-
-def _as_numpy(x):
-    """A numpy array or number as a numpy array, and the function that gives a result back as ``x``'s kind."""
+def _as_array(x):
+    """``x`` as an array (a number: numpy's), and the function that gives a result back as ``x``'s kind."""
+    if isinstance(x, mx.array):
+        return x, lambda r: r
     if isinstance(x, np.ndarray):
         return check_travels(x), to_numpy
     if not isinstance(x, (bool, int, float, complex, np.generic)):
@@ -319,6 +300,10 @@ def _as_numpy(x):
     if isinstance(x, int) and not isinstance(x, bool) and arr.dtype != np.int64:
         raise TypeError(f"the integer {x} does not fit in int64")
     return check_travels(arr), lambda r: type(x)(to_numpy(r).item())
+
+
+def _mx(arr):
+    return to_mx(arr) if isinstance(arr, np.ndarray) else arr
 
 
 def check_backend(backend) -> AbstractBackend:
