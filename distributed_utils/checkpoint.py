@@ -1,11 +1,7 @@
-"""Checkpoints that survive a job killed at any moment, and resume to the same trajectory.
-
-Collective: rank 0 writes one safetensors file atomically (a CRC-32 per array, and one over the
-metadata and the header) and every rank returns once it is complete, so ``path`` always holds
-the last complete checkpoint;
-rank 0 reads it back and broadcasts it, so the other ranks (on other hosts) need not see it.
-With the same data order, training continues bit for bit as if it had never stopped.
-"""
+"""Checkpoints that survive a job killed at any moment, and resume to the same trajectory (bit for
+bit, with the same data order). Rank 0 writes one safetensors file atomically (a CRC-32 per array, one
+over the metadata and the header), so ``path`` always holds the last complete checkpoint, and reads it
+back for every rank: the other ranks (on other hosts) need not see it."""
 
 import io
 import itertools
@@ -60,8 +56,7 @@ def save_checkpoint(
     ``state_dict()``/``load_state_dict()``. ``step``, ``extra``: JSON values. Every rank's
     ``mx.random`` state is saved too. ``keep=k``: ``path`` is a directory of
     ``step-{step}.safetensors`` files: the newest k by step stay, and a save's later steps
-    (a trajectory left when the job resumed from an older one) are set aside as ``.superseded``.
-    """
+    (a trajectory left when the job resumed from an older one) are set aside as ``.superseded``."""
     check_backend(backend)
     if keep is not None:  # (the files' names sort by step)
         check_count(keep, 1, "save_checkpoint: keep")
@@ -95,9 +90,8 @@ def save_checkpoint(
 
 
 def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None, stale=None):
-    """Collective: rank 0 writes ``arrays`` to ``path`` atomically (``_write_atomically``) and runs
-    ``then()``, sending every rank a heartbeat (1) every HEARTBEAT_SECONDS or so, then 0 (else
-    CheckpointError)."""
+    """Collective: rank 0 writes ``arrays`` to ``path`` and runs ``then()``, sending a heartbeat (1)
+    every HEARTBEAT_SECONDS or so, then 0 (else CheckpointError)."""
     if backend.rank != 0:
         while bcast(backend, np.array([0]), 0)[0]:
             pass
@@ -126,8 +120,7 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     ``model``'s parameters (in place), ``optimizer``'s state, ``data``'s position, each rank's
     random state (at the world size saved). Returns ``{"step", "data", "extra", "world_size"}``,
     or None when there is no checkpoint; raises CheckpointError on every rank for a damaged file
-    or one that does not fit.
-    """
+    or one that does not fit."""
     check_backend(backend)
     read = {}  # rank 0's arrays
 
@@ -200,10 +193,9 @@ def _section(arrays, section) -> list:
 
 
 def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat, stale=None):
-    """Write ``arrays`` to ``path`` with MLX's safetensors writer (float64 as its bits), each array's
-    CRC-32 in the metadata, and a CRC-32 of the metadata and the header (``_header_crc``): to a
-    temporary file (removed on failure; those of killed saves, ``stale``, before), fsync,
-    rename, fsync of the directory. ``heartbeat()`` runs after each checksum and each piece written."""
+    """Write ``arrays`` (float64 as its bits) and their CRC-32s to a temporary file (removed on failure;
+    those of killed saves, ``stale``, before), fsync, rename to ``path``, fsync the directory.
+    ``heartbeat()`` runs after each checksum and each piece written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for old in path.parent.glob(stale or f".{path.name}.tmp-*"):  # left by a killed job
         old.unlink(missing_ok=True)
@@ -235,9 +227,8 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat, stale
 
 
 def _header_crc(metadata: dict, arrays: dict) -> str:
-    """A CRC-32 of everything a load trusts besides the arrays' bytes: the metadata (step, data
-    position, extra, world size, key order, dtype lists, the checksums) and each array's name,
-    dtype and shape."""
+    """A CRC-32 of everything a load trusts besides the arrays' bytes: the metadata and each array's
+    name, dtype and shape."""
     parts = [metadata.get(k, "") for k in ("distributed_utils", "crc32", "float64", "keys")]
     parts += [f"{key} {a.dtype} {a.shape}" for key, a in sorted(arrays.items())]
     return str(zlib.crc32("\n".join(parts).encode()))
@@ -271,8 +262,7 @@ def _checkpoints_in(folder: Path) -> list:
 
 
 def _set_aside(path: Path, why: str):
-    """Rename ``path`` to ``path.why`` (``.why-2``, ...: never over another): no longer a checkpoint
-    of the directory, still on disk."""
+    """Rename ``path`` to ``path.why`` (``.why-2``, ...: never over another), out of the checkpoints."""
     names = (f"{path.name}.{why}" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
     aside = next(path.with_name(name) for name in names if not path.with_name(name).exists())
     path.rename(aside)
@@ -339,8 +329,8 @@ def _verified(path: Path):
 
 
 def _check_fits(path, section, saved, tree, exact=True):
-    """Raise unless the checkpoint's signatures ``saved`` (rank 0's: every rank alike) hold ``section``
-    with the keys, dtypes and shapes of ``tree`` (None: any; not ``exact``: at ``tree``'s keys)."""
+    """Raise unless the signatures ``saved`` (rank 0's) hold ``section`` with the keys, dtypes and
+    shapes of ``tree`` (None: any; not ``exact``: at ``tree``'s keys)."""
     saved = {k.removeprefix(section + "."): sig for k, sig in saved.items() if k.startswith(section + ".")}
     if not saved:
         raise CheckpointError(f"load_checkpoint: {path} holds no {section} (it was saved without {section}=)")

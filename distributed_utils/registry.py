@@ -36,8 +36,9 @@ def _handshake(backend):
     """Learn ``node_rank``; check that every rank is of this job (two jobs on one port cross-connect)."""
     expected = contract.expected_world_size()
     if expected is not None and expected != backend.size:
+        launcher = "du-launch" if contract.job_id() else "mpirun"
         raise contract.BackendUnavailableError(
-            f"{type(backend).__name__}: {contract.launcher_name()} started {expected} processes but this backend "
+            f"{type(backend).__name__}: {launcher} started {expected} processes but this backend "
             f"sees a world of {backend.size}; launch it with `du-launch --backend {backend.launch_name}`, or "
             f"initialize the backend this job was started for (du.initialize() with no argument: "
             f"{contract.launched_backend_name()})"

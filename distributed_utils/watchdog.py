@@ -12,7 +12,7 @@ import threading
 import time
 
 from .arrays import show, signature
-from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path, watchdog_settings
+from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path
 
 DEFAULT_TIMEOUT = 300.0
 GRACE = 2.0
@@ -41,7 +41,7 @@ def configure(timeout=None, debug=None):
     setting, initially ``DU_TIMEOUT`` (default 300) and ``DU_DEBUG`` (default off)."""
     where = "timeout"
     if timeout is None and _state.timeout is None:  # (the environment is read once, not at every watch)
-        where, timeout = "DU_TIMEOUT", watchdog_settings()[0] or DEFAULT_TIMEOUT
+        where, timeout = "DU_TIMEOUT", os.environ.get("DU_TIMEOUT") or DEFAULT_TIMEOUT
     if timeout is not None:
         try:
             seconds = float(timeout)
@@ -51,7 +51,8 @@ def configure(timeout=None, debug=None):
             raise ValueError(f"{where}={timeout!r} is not a number of seconds >= 0 (0: never)")
         _state.timeout = seconds
     if debug is not None or _state.debug is None:
-        _state.debug = bool(watchdog_settings()[1] if debug is None else debug)
+        debug = os.environ.get("DU_DEBUG", "0") not in ("", "0", "false", "no") if debug is None else debug
+        _state.debug = bool(debug)
 
 
 class Collective:

@@ -102,10 +102,6 @@ def launched_backend_name():
     return _first_set("DU_BACKEND", default=mpirun)
 
 
-def launcher_name() -> str:
-    return "du-launch" if "DU_BACKEND" in os.environ else "mpirun"
-
-
 def _first_set(*names, default=None):
     return next((os.environ[name] for name in names if name in os.environ), default)
 
@@ -130,12 +126,6 @@ def expected_world_size():
 
 def job_id():
     return os.environ.get("DU_JOB_ID")
-
-
-def watchdog_settings() -> tuple:
-    """``(DU_TIMEOUT or None, whether DU_DEBUG is on)``."""
-    debug = os.environ.get("DU_DEBUG", "0")
-    return os.environ.get("DU_TIMEOUT") or None, debug not in ("", "0", "false", "no")
 
 
 def launched_by_mpirun() -> bool:
