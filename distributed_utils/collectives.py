@@ -52,10 +52,10 @@ def allreduce(backend, x, op):
         arr = to_mx(arr)  # (else it stays in numpy, and no MLX array is made: MPI on host memory)
     if bools:  # as bytes: MPI aborts on bools
         op = "max" if op in ("sum", "max") else "min"
-        return back(_reduce(backend, "allreduce", arr.astype(mx.uint8), op).astype(mx.bool_))
+        return back(_reduce(backend, "allreduce", [arr.astype(mx.uint8)], op)[0].astype(mx.bool_))
     if nan_wins:
         return back(_nan_wins(backend, arr, op))
-    return back(_reduce(backend, "allreduce", arr, op, in_place=arr is not x))  # (in place: in our own copy)
+    return back(_reduce(backend, "allreduce", [arr], op, in_place=arr is not x)[0])  # (in place: in our copy)
 
 
 def _nan_wins(backend, a, op):
@@ -64,14 +64,13 @@ def _nan_wins(backend, a, op):
     nan = mx.isnan(a).reshape(-1)
     loser, flag = (-mx.inf, 1) if op == "max" else (mx.inf, -1)
     both = mx.concatenate([mx.where(nan, loser, a.reshape(-1)).astype(a.dtype), (nan * flag).astype(a.dtype)])
-    out = _reduce(backend, "allreduce", both, op)
+    out = _reduce(backend, "allreduce", [both], op)[0]
     return mx.where(out[a.size :] != 0, mx.nan, out[: a.size]).astype(a.dtype).reshape(a.shape)
 
 
 def weighted_mean(backend, value, weight) -> float:
     """Collective: ``sum_r value_r * weight_r / sum_r weight_r`` on every rank, in one allreduce
-    (NaN if every weight is 0): the loss per token over every rank's tokens, say. Call it on
-    every rank, and print on rank 0 alone."""
+    (NaN if every weight is 0): the loss per token over every rank's tokens, say."""
     v, w = (float(x.item()) if isinstance(x, mx.array) else float(x) for x in (value, weight))
     total = allreduce(backend, np.array([v * w, w]), "sum")
     return float(total[0] / total[1]) if total[1] else float("nan")
@@ -123,20 +122,17 @@ def average_factor(backend) -> float:
     return 1.0 / backend.size
 
 
-def _reduce(backend, what, arrays, op, scale=1.0, in_place=False):
-    """The one path of every reduction; ``arrays``: a list, or one array (shown as itself)."""
+def _reduce(backend, what, arrays: list, op, scale=1.0, in_place=False) -> list:
+    """The one path of every reduction."""
     details = _shown(op, scale)
     if op == "avg":
         op, scale = "sum", scale * average_factor(backend)
-    if isinstance(arrays, list):
-        return _door(backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), *details)
-    return _door(backend, what, arrays, lambda a: backend.allreduce([a], op, scale, in_place)[0], *details)
+    return _door(backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), *details)
 
 
 def start_sum(backend, arrays: list, scale: float = 1.0) -> list:
-    """Collective: start the sum across ranks of each of ``arrays`` (handed over) times ``scale``;
-    ``finish`` waits for the results. The MLX backends sum on a stream of their own while this
-    rank computes; any other collective first waits for it."""
+    """Collective: start the sum across ranks of each of ``arrays`` (handed over) times ``scale``
+    (the MLX backends: on a stream of their own); ``finish``, or any other collective, waits for it."""
     global _in_flight
     primitive = lambda a: backend.start_sum(a, scale)  # noqa: E731
     _in_flight = _door(backend, "start_sum", arrays, primitive, *_shown("sum", scale), wait=False)
@@ -162,18 +158,14 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     names the rank and the collective. While MLX traces a function, nothing is evaluated or checked."""
     if _in_flight is not None:  # a start_sum not yet waited for: the transport carries one at a time
         finish(_in_flight)
-    tracing = not (isinstance(arrays, np.ndarray) or evaluate(arrays))  # (numpy needs no evaluation)
+    tracing = not evaluate(arrays)
     with watchdog.Collective(backend.rank, what, details, arrays) as call:
         if call is not None and call.debug and backend.size > 1 and not tracing:  # (its gathers: nested)
-            check_same(
-                backend,
-                "ranks issued different collectives (DU_DEBUG)",
-                {"collective": call.text()},
-                CollectiveMismatchError,
-            )
+            differ = "ranks issued different collectives (DU_DEBUG)"
+            check_same(backend, differ, {"collective": call.text()}, CollectiveMismatchError)
         try:
             out = primitive(arrays)
-            if wait and not isinstance(out, np.ndarray):
+            if wait:
                 evaluate(out)
         except RuntimeError as e:  # MLX's and mpi4py's
             if call is None or isinstance(e, CollectiveMismatchError):  # (nested: the outermost names it)
@@ -315,8 +307,7 @@ def check_backend(backend) -> AbstractBackend:
 
 
 def check_count(value, least: int, what: str, most=None) -> int:
-    """``value``, an int >= ``least`` (and <= ``most``): else a TypeError (not an int) or ValueError
-    naming ``what``."""
+    """``value``, an int >= ``least`` (<= ``most``); else a TypeError (not an int) or ValueError."""
     an_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
     if not (an_int and least <= value <= (value if most is None else most)):
         kind = f">= {least}" if most is None else f"in [{least}, {most}]"
