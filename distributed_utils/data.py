@@ -32,8 +32,11 @@ class DistributedDataContainer:
         self.world_size = total_workers(backend)
         self.data = data
         self.epoch = 0
-        # this epoch's batches() so far: (world size, batch size, batches)
-        self._part = (self.world_size, None, 0)
+        self._part = (
+            self.world_size,
+            None,
+            0,
+        )  # this epoch's batches() so far: world size, batch size, count
         self._before = []  # the parts of this epoch run before a restart at another world size or batch size
         self._resume = None  # load_state_dict's state, for the next batches()
         self._auto_sizes = None  # the batch sizes share="auto" last agreed on
@@ -93,14 +96,8 @@ class DistributedDataContainer:
         the epoch, and the batches of it handed out, with their world size and batch size."""
         if self._resume is not None:  # loaded, and not yet resumed by batches()
             return {"before": [], "batch_size": None, **self._resume}
-        world_size, batch_size, batches = self._part
-        return {
-            "epoch": self.epoch,
-            "batches": batches,
-            "world_size": world_size,
-            "batch_size": batch_size,
-            "before": [list(part) for part in self._before],
-        }
+        part = dict(zip(("world_size", "batch_size", "batches"), self._part))
+        return {"epoch": self.epoch, **part, "before": [list(p) for p in self._before]}
 
     def load_state_dict(self, state: dict):
         """Resume from ``state_dict()``: the next ``batches()`` of the saved epoch (given no
@@ -120,9 +117,7 @@ class DistributedDataContainer:
         state, self._resume = self._resume, None
         if state is None or state["epoch"] != epoch:
             return [], 0
-        before = [
-            (int(w), b if isinstance(b, list) else int(b), int(k)) for w, b, k in state.get("before", [])
-        ]
+        before = [tuple(part) for part in state.get("before", [])]
         world_size, saved_batch, batches = state["world_size"], state.get("batch_size"), state["batches"]
         if batches == 0 or (saved_batch in (None, batch_size) and world_size == self.world_size):
             return before, batches

@@ -3,8 +3,7 @@ parallelism for slow links. Each rank takes ``sync_every`` (H) steps of its inne
 alone; then the ranks average the pseudo-gradient (global minus local parameters), and an
 outer optimizer takes one step on the global parameters, from which every rank continues.
 With ``fragments=F``, F runs of whole arrays of about equal bytes sync in turn, H/F steps
-apart: each sync moves 1/F of the bytes. Local SGD is ``outer_optimizer=optim.SGD(1.0)``.
-"""
+apart: each sync moves 1/F of the bytes. Local SGD is ``outer_optimizer=optim.SGD(1.0)``."""
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -19,8 +18,7 @@ from .tree import floating_leaves
 
 
 class DiLoCo(OptimizerState, optim.Optimizer):
-    """Wraps ``inner_optimizer`` (any ``mlx.optimizers.Optimizer``, local to each rank) so that
-    every ``sync_every`` steps the ranks agree on the parameters through ``outer_optimizer``.
+    """The module's algorithm around ``inner_optimizer`` (a plain ``mlx.optimizers`` optimizer, each rank's).
 
     Collective like ``DistributedOptimizer``, but a step that syncs no fragment makes no
     collective; after a sync the fragment's parameters are bit for bit the same on every rank.
@@ -36,8 +34,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         fragment_update_alpha: after a sync a rank's fragment is ``global + alpha * (local - global)``.
 
     ``update(model, grads, weight=w)`` weights the outer average by each rank's weights since
-    the fragment's last sync (pass it on every step or none).
-    """
+    the fragment's last sync (pass it on every step or none)."""
 
     def __init__(
         self,
@@ -164,13 +161,10 @@ class DiLoCo(OptimizerState, optim.Optimizer):
 
     def update(self, model, gradients, weight=None):
         """An inner step on ``model``; then the syncs due at this step (collective)."""
-        model.update(self._step(gradients, model, weight))
+        model.update(self.apply_gradients(gradients, model, weight))
 
     def apply_gradients(self, gradients, parameters, weight=None):
         """The updated ``parameters`` at the keys of ``gradients``: ``update``'s steps."""
-        return self._step(gradients, parameters, weight)
-
-    def _step(self, gradients, parameters, weight):
         if self._global is None:
             if fsdp.any_alive():  # (its parameters are reduced in the backward pass, each step)
                 raise ValueError("DiLoCo does not compose with du.fully_shard: use DistributedOptimizer")
