@@ -98,11 +98,10 @@ class Reduction:
         else:  # in place: the packer's copies, or the caller's own arrays (as documented)
             sums = allreduce_arrays(self.backend, packed, "sum", transport_scale, in_place=True)
 
-        def reduced():
-            out = [None] * len(arrays)
-            for group, total in zip(groups, finish(sums)):
-                for i, piece in zip(group, [total] if scatter else unpack(total, sent, group)):
-                    out[i] = piece if units is None else _scaled(piece, units[i] * scale, arrays[i].dtype)
+        def reduced():  # (a reduce-scatter's groups are its arrays, in order)
+            out = finish(sums) if scatter else unpack(finish(sums), sent, groups)
+            if units is not None:
+                out = [_scaled(piece, unit * scale, g.dtype) for piece, unit, g in zip(out, units, arrays)]
             return replace_arrays(tree, out)
 
         return Pending(finish=reduced)

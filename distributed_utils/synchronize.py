@@ -102,11 +102,8 @@ def _synchronize_tree(backend, tree, root, what):
         bits(a) if backend.rank == root else mx.zeros((a.nbytes // width(a),), UINT_BY_SIZE[width(a)])
         for a in arrays
     ]
-    received = [None] * len(arrays)
-    for bucket in buckets(sent, BROADCAST_BUCKET_BYTES):  # bcast evaluates: one bucket at a time
-        flat = bcast(backend, pack(sent, bucket), root)
-        for i, piece in zip(bucket, unpack(flat, sent, bucket)):
-            received[i] = piece
+    groups = buckets(sent, BROADCAST_BUCKET_BYTES)  # (bcast evaluates: one bucket at a time)
+    received = unpack([bcast(backend, pack(sent, group), root) for group in groups], sent, groups)
     if backend.rank == root:
         return tree
     pieces = iter(zip(arrays, received))  # in the order of root's arrays too: the structures matched

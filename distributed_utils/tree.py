@@ -61,12 +61,15 @@ def pack(arrays, bucket) -> mx.array:
     return mx.concatenate([arrays[i].reshape(-1) for i in bucket])
 
 
-def unpack(flat, arrays, bucket) -> list:
-    """``pack``'s inverse: ``flat`` cut into arrays shaped like ``arrays`` at ``bucket``."""
-    if len(bucket) == 1:  # the array itself (it may have been reduced in its own memory)
-        return [flat if flat.shape == arrays[bucket[0]].shape else flat.reshape(arrays[bucket[0]].shape)]
-    cuts = list(itertools.accumulate(arrays[i].size for i in bucket))[:-1]
-    return [part.reshape(arrays[i].shape) for i, part in zip(bucket, mx.split(flat, cuts))]
+def unpack(flats, arrays, groups) -> list:
+    """``pack``'s inverse: ``flats`` (one per bucket of ``groups``) cut into arrays shaped like ``arrays``,
+    in their order (a lone array: itself, which may have been reduced in its own memory)."""
+    out = [None] * len(arrays)
+    for group, flat in zip(groups, flats):
+        cuts = list(itertools.accumulate(arrays[i].size for i in group))[:-1]
+        for i, part in zip(group, mx.split(flat, cuts) if cuts else [flat]):
+            out[i] = part if part.shape == arrays[i].shape else part.reshape(arrays[i].shape)
+    return out
 
 
 # --- the same structure on every rank --------------------------------------------------
