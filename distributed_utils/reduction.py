@@ -15,8 +15,7 @@ floating leaf g of rank r travels as
     unit     1; int8: (max over the ranks of |g| * share_r) / (127 // N), from one allgather
 
 Unweighted and uncompressed, nothing is computed before the sum: the transport sums the leaves
-as they are (MPI in their own memory) and multiplies by share * scale.
-"""
+as they are (MPI in their own memory) and multiplies by share * scale."""
 
 import functools
 
@@ -25,8 +24,7 @@ import numpy as np
 
 from .arrays import NARROW_FLOATS, evaluate
 from .collectives import allgather, allreduce_arrays, average_factor, finish, reduce_scatter_sum, start_sum
-from .tree import buckets, describe, floating_leaves, pack, replace_arrays, unpack
-from .tree import verify_same_structure
+from .tree import buckets, describe, floating_leaves, pack, replace_arrays, unpack, verify_same_structure
 
 
 def reduce_gradients(
@@ -40,15 +38,13 @@ def reduce_gradients(
       is ``sum_r w_r g_r / sum_r w_r`` (zeros if every weight is 0), as one process on the union.
     - ``compression``: ``mx.bfloat16``/``mx.float16`` (or their names), or ``"int8"``: ``127 // N``
       levels a side of a per-array unit (for DiLoCo's pseudo-gradients).
-    - ``bucket_bytes``: arrays smaller than this travel packed by dtype, this many bytes a
-      collective (0: each alone; default the backend's ``bucket_bytes``); larger ones travel
-      alone, as they are.
+    - ``bucket_bytes``: smaller arrays travel packed by dtype, this many bytes a collective (0: each
+      alone; default the backend's ``bucket_bytes``); larger ones alone, as they are.
     - ``verify``: first check, in one 32-byte allgather, that every rank passes the same tree
       and weighting (not while MLX traces), else ``TreeMismatchError`` on every rank.
 
     On MPIBackend, arrays that can be (evaluated, contiguous, not sharing memory) are reduced
-    in their own memory and hold the result. In a world of one they come back as they are.
-    """
+    in their own memory and hold the result. In a world of one they come back as they are."""
     reduction = Reduction(backend, op, compression, bucket_bytes)
     return reduction.reduce(gradients, scale=scale, weight=weight, verify=verify).wait()
 
@@ -107,9 +103,8 @@ class Reduction:
         return Pending(finish=reduced)
 
     def check(self, tree, weight, what, verify=True, scale=1.0) -> list:
-        """Collective: ``[(key, array)]``, the (floating, else TypeError) mx.arrays of ``tree``, once
-        every rank passes the same tree, weighted alike, reduced alike (else ``TreeMismatchError``;
-        ``verify``: in the 32-byte digest, at no cost of its own)."""
+        """Collective: ``[(key, array)]``, the (floating, else TypeError) mx.arrays of ``tree``, once every
+        rank passes the same tree, weighted and reduced alike (``verify``; else ``TreeMismatchError``)."""
         if weight is not None and self.op != "avg":
             raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {self.op!r}")
         if verify and self.backend.size > 1 and evaluate(tree):  # (not while MLX traces)
@@ -119,8 +114,8 @@ class Reduction:
         return floating_leaves(tree, what)  # after the check: the same error on every rank
 
     def _share(self, weight, what):
-        """This rank's weight over the sum of every rank's (0 when every weight is 0), from one
-        allgather of the weights, checked: negative or not finite is a ValueError on every rank."""
+        """This rank's weight over the sum of every rank's (0 if all are 0), from one allgather; a weight
+        negative or not finite is a ValueError on every rank."""
         weights = allgather(self.backend, weight.reshape(1))
         if evaluate(weights):  # (not while MLX traces)
             bad = [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]

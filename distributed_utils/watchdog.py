@@ -57,9 +57,8 @@ def configure(timeout=None, debug=None):
 
 class Collective:
     """``with Collective(rank, what, details, arrays) as call``: watch one collective of this rank
-    (``call`` is None when nested in another: part of it). ``what`` ("allreduce"), ``details``
-    ("sum") and the arrays are shown (``text``) only when asked: a signature costs microseconds.
-    A ``watch`` region is a Collective registered without entering it (``seq`` 0)."""
+    (``call`` is None when nested in another: part of it), shown (``text``) only when asked. A
+    ``watch`` region is a Collective registered without entering it (``seq`` 0)."""
 
     start = None  # when it began, once registered
     seq = 0
@@ -104,8 +103,7 @@ def waited() -> float:
 def watch(what: str, timeout=None):
     """Put a region under the watchdog: if it runs longer than ``timeout`` (default: the
     library's), this rank reports it and exits. For work that waits on other ranks, such as a
-    compiled step whose collectives run at your ``mx.eval``: ``with du.watch("train step"): ...``.
-    """
+    compiled step whose collectives run at your ``mx.eval``: ``with du.watch("train step"): ...``."""
     configure()
     region = Collective(_state.rank, what)
     region.timeout = _state.timeout if timeout is None else float(timeout)
@@ -121,12 +119,11 @@ def connecting(what: str):
     """``watch`` for a transport's start. MLX's ring holds the GIL while it connects: the C thread
     of faulthandler backs the watchdog up (a "Timeout" traceback through ``initialize``, exit 1)."""
     configure()
-    armed = bool(_state.timeout)
-    try:
-        if armed:
+    armed = False
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # no usable stderr: the thread alone
+        if _state.timeout:
             faulthandler.dump_traceback_later(_state.timeout + GRACE, exit=True, file=sys.__stderr__)
-    except (AttributeError, ValueError, OSError):  # no usable stderr: the thread alone
-        armed = False
+            armed = True
     try:
         with watch(what):
             yield
