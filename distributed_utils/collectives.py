@@ -43,10 +43,9 @@ def allreduce(backend, x, op):
     (mx.array, numpy array or Python scalar; a Python int travels as int64, and its sum wraps
     as numpy's does). Bools: sum/max are OR, min/prod are AND. Floating max/min: a NaN on any
     rank gives NaN there, on every backend."""
-    op = _op_name(op)
     check_backend(backend)
     arr, back = _as_array(x)
-    _check_op_dtype(op, arr.dtype)
+    op = _checked_op(op, arr.dtype)
     bools, nan_wins = arr.dtype in _BOOLS, op in ("max", "min") and is_floating(arr.dtype)
     if isinstance(arr, np.ndarray) and not (backend.host_buffers and not (bools or nan_wins)):
         arr = to_mx(arr)  # (else it stays in numpy, and no MLX array is made: MPI on host memory)
@@ -196,8 +195,12 @@ def _objects(backend, obj, root=None) -> list:
         rows = send(padded)
         received = [(obj, None)] if backend.rank == root else [_unpickled(r[:n]) for r, n in zip(rows, sizes)]
         error = error or next((e for _, e in received if e is not None), None)
-        whose = "the objects ranks gather" if root is None else f"the object rank {root} broadcasts"
-        return _raise_for_failures(backend, [r for r, _ in received], error, whose)
+        failed = allgather(backend, np.array([error is not None]))
+        if failed.any():  # (errors are strings: they pickle)
+            errors = _objects(backend, error)
+            whose = "the objects ranks gather" if root is None else f"the object rank {root} broadcasts"
+            raise TypeError(f"{whose}: " + "; ".join(f"rank {r} {errors[r]}" for r in np.flatnonzero(failed)))
+        return [r for r, _ in received]
 
     return _door(backend, what, None, run, *([] if root is None else [f"root={root}"]))
 
@@ -232,15 +235,6 @@ def _unpickled(payload: np.ndarray):
         return (pickle.loads(payload.tobytes()), None) if payload.size else (None, None)
     except Exception as e:
         return None, f"cannot unpickle it: {type(e).__name__}: {e}"
-
-
-def _raise_for_failures(backend, result, error, what):
-    """Collective: ``result``, unless some rank has an ``error``: then a TypeError on every rank."""
-    failed = allgather(backend, np.array([error is not None]))
-    if failed.any():
-        errors = _objects(backend, error)
-        raise TypeError(f"{what}: " + "; ".join(f"rank {r} {errors[r]}" for r in np.flatnonzero(failed)))
-    return result
 
 
 def root_runs(backend, fn, root, error_type, doing: str):
@@ -321,18 +315,17 @@ def check_root(backend, root):
         raise ValueError(f"root={root!r} is not a rank of this job (0 .. {size - 1})")
 
 
-def _op_name(op) -> str:
+def _checked_op(op, dtype) -> str:
+    """``op``'s name, once it is known and defined for ``dtype``."""
     try:
-        return _OPS[op]
+        op = _OPS[op]
     except (KeyError, TypeError):
         raise ValueError(
             f"unknown reduction op {op!r}: use 'sum', 'avg' (du.avg), 'max', 'min', 'prod', "
             "or operator.add, max, min, operator.mul"
         ) from None
-
-
-def _check_op_dtype(op, dtype):
     if op == "avg" and not is_floating(dtype):
         raise TypeError(f"op 'avg' needs a floating or complex dtype, got {dtype}; use 'sum'")
     if op in ("max", "min") and is_floating(dtype) and "complex" in str(dtype):  # (mx or numpy dtype)
         raise TypeError(f"op {op!r} is not defined for complex numbers ({dtype})")
+    return op
