@@ -171,9 +171,6 @@ def _shards(backend, model, optimizer, who) -> dict:
     return fsdp.sharded(model)
 
 
-# --- the file -------------------------------------------------------------------------------
-
-
 def _flat(section, tree) -> dict:
     flat = {}
     for key, leaf in tree_flatten(tree):

@@ -177,9 +177,6 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     return out
 
 
-# --- objects: pickled, travelling as bytes ---------------------------------------------
-
-
 def _objects(backend, obj, root=None) -> list:
     """Root's picklable ``obj`` on every rank, in a list (``root`` None: every rank's); a TypeError on
     every rank if a rank cannot pickle or unpickle one. Sizes travel first, tagged, then the bytes."""
@@ -266,9 +263,6 @@ def check_same(backend, who: str, values: dict, error=ValueError, explain=None):
     differ = [r for r, theirs in enumerate(everyone) if repr(theirs[name]) != repr(everyone[0][name])]
     shown = ", ".join(f"rank {r}: {theirs[name]!r}" for r, theirs in enumerate(everyone))
     raise error(f"{who}: every rank needs the same {name}; ranks {differ} differ from rank 0 ({shown})")
-
-
-# --- arguments -------------------------------------------------------------------------
 
 
 def _as_array(x):

@@ -73,8 +73,6 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         self._weights = None  # per fragment: this rank's weight since its last sync (None: unweighted)
         self._local = {}  # {flat key: this rank's latest local parameters}
 
-    # --- the state -----------------------------------------------------------------------
-
     @property
     def state(self) -> dict:
         """This rank's inner and outer states and step count, and once initialized the global parameters."""
@@ -156,8 +154,6 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         }
         if model is not None:
             model.update(tree_unflatten(list(self._local.items())))
-
-    # --- the steps -----------------------------------------------------------------------
 
     def update(self, model, gradients, weight=None):
         """An inner step on ``model``; then the syncs due at this step (collective)."""

@@ -97,7 +97,6 @@ def _synchronize_tree(backend, tree, root, what):
     verify_same_structure(backend, [(k, s) for k, s in describe(tree) if isinstance(s, tuple)], what)
     skeleton = root_runs(backend, lambda: _map(_stand_in, tree), root, TypeError, f"send {what}")
     arrays = [leaf for _, leaf in tree_flatten(tree) if _travels_as_bits(leaf)]
-    # Root sends its arrays' bits; the others receive into zeros of the same widths and sizes.
     sent = [
         bits(a) if backend.rank == root else mx.zeros((a.nbytes // width(a),), UINT_BY_SIZE[width(a)])
         for a in arrays

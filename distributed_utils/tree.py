@@ -33,9 +33,6 @@ def replace_arrays(tree, arrays):
     return tree_map(lambda v: next(it) if isinstance(v, mx.array) else v, tree)
 
 
-# --- the packer ------------------------------------------------------------------------
-
-
 def buckets(arrays, limit: int) -> list:
     """The indices of ``arrays`` grouped for packing: arrays of one dtype in order, up to ``limit``
     bytes a bucket; an array of ``limit`` bytes or more travels alone (0: every array)."""
@@ -70,9 +67,6 @@ def unpack(flats, arrays, groups) -> list:
         for i, part in zip(group, mx.split(flat, cuts) if cuts else [flat]):
             out[i] = part if part.shape == arrays[i].shape else part.reshape(arrays[i].shape)
     return out
-
-
-# --- the same structure on every rank --------------------------------------------------
 
 
 def describe(tree) -> list:

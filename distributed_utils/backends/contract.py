@@ -93,9 +93,6 @@ def listen_error(ip: str, port: int):
     return None
 
 
-# --- the rank's side -----------------------------------------------------------------
-
-
 def launched_backend_name():
     """``DU_BACKEND``, else "mpi" under mpirun, else None (a world of one)."""
     mpirun = "mpi" if _first_set("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") is not None else None
@@ -157,9 +154,6 @@ def check_ring_addresses():
             raise BackendUnavailableError(
                 f"RingBackend: rank {rank} cannot listen on {address} (from MLX_HOSTFILE): {error}{held}"
             )
-
-
-# --- MPI -------------------------------------------------------------------------------
 
 
 def libmpi_path():
