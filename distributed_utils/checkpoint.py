@@ -115,12 +115,11 @@ def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None, s
 
 
 def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
-    """Collective: rank 0 reads ``path`` (in a ``keep`` directory, the newest intact one: newer
-    damaged ones are set aside as ``.damaged``), verifies its checksums and broadcasts it:
-    ``model``'s parameters (in place), ``optimizer``'s state, ``data``'s position, each rank's
-    random state (at the world size saved). Returns ``{"step", "data", "extra", "world_size"}``,
-    or None when there is no checkpoint; raises CheckpointError on every rank for a damaged file
-    or one that does not fit."""
+    """Collective: rank 0 reads ``path`` (in a ``keep`` directory, the newest intact one: newer damaged
+    ones are set aside as ``.damaged``) for every rank: ``model``'s parameters (in place),
+    ``optimizer``'s state, ``data``'s position, each rank's random state (at the world size saved).
+    Returns ``{"step", "data", "extra", "world_size"}``, or None when there is no checkpoint; raises
+    CheckpointError on every rank for a damaged file or one that does not fit."""
     check_backend(backend)
     read = {}  # rank 0's arrays
 
@@ -267,8 +266,8 @@ def _set_aside(path: Path, why: str):
 
 
 def _find_and_read(path: Path):
-    """``(path, arrays, meta)`` of the checkpoint at ``path`` (None, None: there is none), or of
-    the newest intact one in the directory ``path`` (the newer damaged ones set aside)."""
+    """``(path, arrays, meta)`` of the checkpoint at ``path`` (None, None: none), or of the newest
+    intact one in the directory ``path``."""
     if not path.is_dir():
         return path, *_verified(path)
     damaged = {}
@@ -291,8 +290,7 @@ def _find_and_read(path: Path):
 
 
 def _verified(path: Path):
-    """``(arrays, meta)`` read from ``path`` (None, None: no file), checksums verified; else a
-    CheckpointError naming what is wrong."""
+    """``(arrays, meta)`` read from ``path`` (None, None: no file), verified; else CheckpointError."""
     if not path.exists():
         return None, None
     try:

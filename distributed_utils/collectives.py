@@ -104,8 +104,7 @@ def allreduce_arrays(backend, arrays: list, op: str = "sum", scale: float = 1.0,
 
 
 def reduce_scatter_sum(backend, x, scale: float = 1.0):
-    """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``
-    (``AbstractBackend.reduce_scatter``)."""
+    """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``."""
     return _door(
         backend, "reduce_scatter", x, lambda a: backend.reduce_scatter(a, scale), *_shown("sum", scale)
     )
@@ -179,7 +178,7 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
 
 def _objects(backend, obj, root=None) -> list:
     """Root's picklable ``obj`` on every rank, in a list (``root`` None: every rank's); a TypeError on
-    every rank if a rank cannot pickle or unpickle one. Sizes travel first, tagged, then the bytes."""
+    every rank if a rank cannot pickle or unpickle one."""
     senders = range(backend.size) if root is None else [root]
     send = (lambda a: allgather(backend, a)) if root is None else (lambda a: bcast(backend, a, root))
     what = "allgather_object" if root is None else "bcast_object"
@@ -250,9 +249,8 @@ def root_runs(backend, fn, root, error_type, doing: str):
 
 
 def check_same(backend, who: str, values: dict, error=ValueError, explain=None):
-    """Collective: unless every rank passes the same ``values`` (by repr), ``error`` on every
-    rank naming the first that differs and each rank's value (or ``explain(every rank's
-    values)``). One allgather of a 32-byte digest; the values travel only on a mismatch."""
+    """Collective: unless every rank passes the same ``values`` (by repr), ``error`` on every rank naming
+    the first that differs and each rank's value (or ``explain(every rank's values)``)."""
     digest = np.frombuffer(hashlib.sha256(repr(values).encode()).digest(), np.uint8)
     if (allgather(backend, digest).reshape(backend.size, -1) == digest).all():
         return

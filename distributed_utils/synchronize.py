@@ -32,8 +32,7 @@ def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
     place (``model=``: initialized from the model first; a sharded ``DistributedOptimizer``
     keeps its own slices). Every rank holds arrays at the same keys, shapes and dtypes, else
     ``TreeMismatchError`` on every rank. Arrays travel as bits in ``BROADCAST_BUCKET_BYTES``
-    buckets, the rest in one pickle.
-    """
+    buckets, the rest in one pickle."""
     check_root(backend, root)
     what = f"du.synchronize({type(x).__name__})"
     if isinstance(x, Optimizer):

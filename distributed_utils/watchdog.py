@@ -84,8 +84,8 @@ class Collective:
             _state.done = self.seq
 
     def text(self, limit=None) -> str:
-        """``#5 allreduce(float32(3,), sum)``: what reports show (the first ``limit`` arrays) and
-        what must agree across ranks in debug mode."""
+        """``#5 allreduce(float32(3,), sum)`` (the first ``limit`` arrays): reports show it; debug mode
+        checks it."""
         arrays = (
             self.arrays if isinstance(self.arrays, list) else [] if self.arrays is None else [self.arrays]
         )
