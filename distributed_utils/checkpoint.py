@@ -231,8 +231,8 @@ def _header_crc(metadata: dict, arrays: dict) -> str:
 
 
 class _Pieces(io.RawIOBase):
-    """The file as MLX's writer sees it: each write goes out in pieces of ``_PIECE_BYTES``,
-    ``heartbeat()`` after each, fsync after every 4 (so that the last fsync stays short)."""
+    """The file as MLX's writer sees it: writes go out in pieces of ``_PIECE_BYTES``, ``heartbeat()``
+    after each, fsync after every 4 (so that the last fsync stays short)."""
 
     def __init__(self, f, heartbeat):
         self.f, self.heartbeat, self.count = f, heartbeat, 0
@@ -326,7 +326,7 @@ def _verified(path: Path):
 def _check_fits(path, section, saved, tree, exact=True):
     """Raise unless the signatures ``saved`` (rank 0's) hold ``section`` with the keys, dtypes and
     shapes of ``tree`` (None: any; not ``exact``: at ``tree``'s keys)."""
-    saved = {k.removeprefix(section + "."): sig for k, sig in saved.items() if k.startswith(section + ".")}
+    saved = dict(_section(saved, section))
     if not saved:
         raise CheckpointError(f"load_checkpoint: {path} holds no {section} (it was saved without {section}=)")
     have = {} if tree is None else dict(describe(tree))

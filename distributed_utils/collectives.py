@@ -105,9 +105,8 @@ def allreduce_arrays(backend, arrays: list, op: str = "sum", scale: float = 1.0,
 
 def reduce_scatter_sum(backend, x, scale: float = 1.0):
     """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``."""
-    return _door(
-        backend, "reduce_scatter", x, lambda a: backend.reduce_scatter(a, scale), *_shown("sum", scale)
-    )
+    primitive = lambda a: backend.reduce_scatter(a, scale)  # noqa: E731
+    return _door(backend, "reduce_scatter", x, primitive, *_shown("sum", scale))
 
 
 def _shown(op, scale) -> tuple:

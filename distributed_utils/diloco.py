@@ -54,9 +54,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         if outer_optimizer is not None:
             check_plain(outer_optimizer, "DiLoCo", "outer_optimizer")
         check_count(sync_every, 1, "DiLoCo: sync_every")
-        check_count(
-            fragments, 1, "DiLoCo: fragments (each syncs once every sync_every steps, at its own)", sync_every
-        )
+        each = "DiLoCo: fragments (each syncs once every sync_every steps, at its own)"
+        check_count(fragments, 1, each, sync_every)
         steps = sync_every // fragments  # between two fragments' syncs
         delay = f"DiLoCo: fragment_sync_delay (less than sync_every // fragments = {steps})"
         check_count(fragment_sync_delay, 0, delay, steps - 1)
