@@ -223,8 +223,7 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat, stale
 
 
 def _header_crc(metadata: dict, arrays: dict) -> str:
-    """A CRC-32 of everything a load trusts besides the arrays' bytes: the metadata and each array's
-    name, dtype and shape."""
+    """A CRC-32 of the metadata and each array's name, dtype and shape: all a load trusts but the bytes."""
     parts = [metadata.get(k, "") for k in ("distributed_utils", "crc32", "float64", "keys")]
     parts += [f"{key} {a.dtype} {a.shape}" for key, a in sorted(arrays.items())]
     return str(zlib.crc32("\n".join(parts).encode()))
@@ -266,8 +265,7 @@ def _set_aside(path: Path, why: str):
 
 
 def _find_and_read(path: Path):
-    """``(path, arrays, meta)`` of the checkpoint at ``path`` (None, None: none), or of the newest
-    intact one in the directory ``path``."""
+    """``(path, arrays, meta)`` at ``path`` (a directory: its newest intact checkpoint); meta None: none."""
     if not path.is_dir():
         return path, *_verified(path)
     damaged = {}

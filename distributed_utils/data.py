@@ -200,8 +200,7 @@ class DistributedDataContainer:
         return self._counted(how, before, batch_size, start, batches, auto)
 
     def _agreed_sizes(self, batch_size, share) -> list:
-        """Collective: every rank's batch size for ``share`` (a number; "auto": the sizes last
-        measured, else those saved, else equal)."""
+        """Collective: each rank's batch size for ``share`` ("auto": the last measured, saved, or equal)."""
         if share == "auto":
             saved, total = (self._resume or {}).get("batch_size"), batch_size * self.world_size
             for sizes in (self._auto_sizes, saved, [batch_size] * self.world_size):
@@ -277,8 +276,7 @@ class DistributedDataContainer:
 
 
 def _columns_and_length(data, where):
-    """``(columns, n)``: ``data`` when it is a tuple or dict of columns (else None), and the
-    number of items; errors for empty, unindexable or mismatched data."""
+    """``(columns, n)``: ``data``'s fields if a tuple or dict (else None), and its length, checked."""
     columns = data if isinstance(data, (tuple, dict)) else None
     if columns is not None:
         if not data:

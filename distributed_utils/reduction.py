@@ -127,8 +127,7 @@ class Reduction:
         return weight * inverse(weights.sum())
 
     def _units(self, arrays, share):
-        """Per array, what one unit on the wire is worth: 1, or int8's (one allgather of every
-        rank's largest magnitude times its share)."""
+        """Per array, the worth of one unit on the wire: 1, or int8's (from one allgather)."""
         if self.compression != "int8":
             return [1.0] * len(arrays)
         local = [mx.max(mx.abs(g)).astype(mx.float32) * share if g.size else mx.array(0.0) for g in arrays]

@@ -81,8 +81,7 @@ def at_key(tree, key: str):
 
 
 def check_plain(optimizer, who: str, name: str = "the optimizer"):
-    """TypeError unless ``optimizer`` is a plain ``mlx.optimizers`` optimizer: one of this library's
-    would reduce again what its wrapper reduced."""
+    """TypeError unless ``optimizer`` is a plain ``mlx.optimizers`` one (one of ours would reduce twice)."""
     if isinstance(optimizer, OptimizerState):
         raise TypeError(
             f"{who}: {name} is already distributed ({type(optimizer).__name__}); pass the plain "

@@ -75,8 +75,7 @@ def describe(tree) -> list:
 
 
 def verify_same_structure(backend, description: list, what: str):
-    """Collective: if the ranks' ``description``s (``describe``) differ, TreeMismatchError on every
-    rank naming the first differing key and each rank's leaf."""
+    """Collective: unless every rank's ``description`` is the same, TreeMismatchError naming the first key."""
     check_same(
         backend, what, {"tree": description}, TreeMismatchError, lambda every: _mismatch_message(every, what)
     )

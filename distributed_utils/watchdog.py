@@ -84,8 +84,7 @@ class Collective:
             _state.done = self.seq
 
     def text(self, limit=None) -> str:
-        """``#5 allreduce(float32(3,), sum)`` (the first ``limit`` arrays): reports show it; debug mode
-        checks it."""
+        """What reports show and debug mode checks: ``#5 allreduce(float32(3,), sum)`` (``limit`` arrays)."""
         arrays = (
             self.arrays if isinstance(self.arrays, list) else [] if self.arrays is None else [self.arrays]
         )

@@ -25,8 +25,7 @@ _RECORD = "du-launch-record "
 def job_environment(
     backend: str, world_size: int, report_dir: str, timeout=None, debug=False, restart=0
 ) -> dict:
-    """What every rank's environment gets on top of the launcher's own (the ring's ranks: and
-    ``ring_rank_environment``'s)."""
+    """What the launcher adds to every rank's environment (a ring rank's: and ``ring_rank_environment``'s)."""
     env = {k: os.environ[k] for k in ("DU_TIMEOUT", "DU_DEBUG") if k in os.environ}
     env.update(
         DU_REPORT_DIR=report_dir, DU_BACKEND=backend, DU_WORLD_SIZE=str(world_size), DU_RESTART=str(restart)
