@@ -1,6 +1,5 @@
-"""The one reduction of floating arrays: ``Reduction.reduce(tree) -> Pending``, which every
-reduction of gradients in the library goes through (``reduce_gradients``, ``DistributedOptimizer``,
-its sharded state, ``DiLoCo``), as an all-reduce or a reduce-scatter.
+"""The one reduction of floating arrays, ``Reduction.reduce(tree) -> Pending``, that every reduction of
+gradients in the library goes through, as an all-reduce or a reduce-scatter.
 
 Decided here, once, from the op, the world size N, the weights and the compression: each
 floating leaf g of rank r travels as
@@ -83,7 +82,7 @@ class Reduction:
             sent, units, transport_scale = arrays, None, share * scale
         else:
             units = self._units(arrays, share)
-            sent = [_scaled(g, share / unit, self._wire(g, weight)) for g, unit in zip(arrays, units)]
+            sent = [_scaled(g, share / unit, self._wire(g)) for g, unit in zip(arrays, units)]
             transport_scale = 1.0
         groups = [[i] for i in range(len(sent))] if scatter else buckets(sent, self.bucket_bytes)
         packed = [pack(sent, group) for group in groups]
@@ -134,11 +133,11 @@ class Reduction:
         steps = mx.max(allgather(self.backend, mx.stack(local)[None]), axis=0) / (127 // self.backend.size)
         return [mx.where(s > 0, s, 1.0) for s in steps]  # an array of zeros: any unit
 
-    def _wire(self, g, weight):
-        """The dtype ``g`` travels in."""
+    def _wire(self, g):
+        """The dtype ``g`` travels in when not as it is (weighted, or compressed)."""
         narrow = g.dtype in NARROW_FLOATS
-        if self.compression is None:
-            return mx.float32 if narrow and weight is not None else g.dtype
+        if self.compression is None:  # (weighted)
+            return mx.float32 if narrow else g.dtype
         return g.dtype if narrow and self.compression != "int8" else self.compression
 
 
