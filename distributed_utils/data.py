@@ -92,8 +92,7 @@ class DistributedDataContainer:
         return partition.batch_count(self._n, self.world_size, batch_size, drop_last)
 
     def state_dict(self) -> dict:
-        """Where the job is in the data (the same on every rank), for ``save_checkpoint(data=)``:
-        the epoch, and the batches of it handed out, with their world size and batch size."""
+        """Where the job is in the data (the same on every rank), for ``save_checkpoint(data=)``."""
         if self._resume is not None:  # loaded, and not yet resumed by batches()
             return {"before": [], "batch_size": None, **self._resume}
         part = dict(zip(("world_size", "batch_size", "batches"), self._part))
@@ -240,8 +239,7 @@ class DistributedDataContainer:
         return self._auto_sizes
 
     def _counted(self, how, before, batch_size, start, batches, auto=False):
-        """``batches``, keeping ``state_dict`` up to date; ``auto``: re-split the rest of the epoch
-        (``how``) once the ranks' speeds are measured."""
+        """``batches``, keeping ``state_dict`` current; ``auto``: the rest re-split once speeds are measured."""
         epoch = how["epoch"]
         self.epoch, self._before, self._part = epoch, before, (self.world_size, batch_size, start)
         clock = []  # (seconds, seconds in collectives) at each hand-out
