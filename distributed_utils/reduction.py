@@ -142,10 +142,9 @@ class Reduction:
 
 
 class Pending:
-    """A reduction begun by ``Reduction.reduce``; ``wait()`` gives its tree (and then again)."""
+    """A reduction begun by ``Reduction.reduce``: its tree (``result``), or ``finish()`` gives it."""
 
     def __init__(self, result=None, finish=None):
-        """Of a tree done already: ``Pending(tree)``; else ``finish()`` gives it (collective)."""
         self.result, self.finish = result, finish
 
     def wait(self):

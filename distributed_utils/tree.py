@@ -38,16 +38,13 @@ def buckets(arrays, limit: int) -> list:
     bytes a bucket; an array of ``limit`` bytes or more travels alone (0: every array)."""
     groups, filling = [], {}  # filling: the bucket being filled, and its bytes, by dtype
     for i, a in enumerate(arrays):
-        bucket, nbytes = filling.get(a.dtype, (None, 0))
-        if a.nbytes >= limit:
-            groups.append([i])
-            filling.pop(a.dtype, None)
-            continue
-        if bucket is None or nbytes + a.nbytes > limit:
+        bucket, nbytes = filling.pop(a.dtype, (None, 0))
+        if bucket is None or nbytes + a.nbytes > limit or a.nbytes >= limit:
             bucket, nbytes = [], 0
             groups.append(bucket)
         bucket.append(i)
-        filling[a.dtype] = (bucket, nbytes + a.nbytes)
+        if a.nbytes < limit:  # (else it travels alone: the next of its dtype starts a bucket)
+            filling[a.dtype] = (bucket, nbytes + a.nbytes)
     return groups
 
 

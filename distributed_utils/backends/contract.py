@@ -27,10 +27,8 @@ def job_environment(
 ) -> dict:
     """What the launcher adds to every rank's environment (a ring rank's: and ``ring_rank_environment``'s)."""
     env = {k: os.environ[k] for k in ("DU_TIMEOUT", "DU_DEBUG") if k in os.environ}
-    env.update(
-        DU_REPORT_DIR=report_dir, DU_BACKEND=backend, DU_WORLD_SIZE=str(world_size), DU_RESTART=str(restart)
-    )
-    env.update(DU_JOB_ID=uuid.uuid4().hex, PYTHONUNBUFFERED="1", PATH=rank_path())
+    env.update(DU_REPORT_DIR=report_dir, DU_BACKEND=backend, DU_WORLD_SIZE=str(world_size), PATH=rank_path())
+    env.update(DU_RESTART=str(restart), DU_JOB_ID=uuid.uuid4().hex, PYTHONUNBUFFERED="1")
     if os.isatty(1) and "COLUMNS" not in os.environ:  # for progress bars: the width left after "[rank R] "
         env["COLUMNS"] = str(max(20, shutil.get_terminal_size().columns - len(f"[rank {world_size - 1}] ")))
     if timeout is not None:
