@@ -58,8 +58,8 @@ def allreduce(backend, x, op):
 
 
 def _nan_wins(backend, a, op):
-    """max or min where a NaN on any rank wins (transports keep it or not by its rank), in one
-    collective: NaNs made the losing infinity, beside NaN flags (1 for max, -1 for min: the op spreads)."""
+    """max or min where a NaN on any rank wins (on every transport): NaNs sent as the losing infinity,
+    beside NaN flags (1 for max, -1 for min: the op spreads them)."""
     nan = mx.isnan(a).reshape(-1)
     loser, flag = (-mx.inf, 1) if op == "max" else (mx.inf, -1)
     both = mx.concatenate([mx.where(nan, loser, a.reshape(-1)).astype(a.dtype), (nan * flag).astype(a.dtype)])
@@ -204,8 +204,7 @@ _OBJECT_TAG = 0x64755F6F626A  # "du_obj": announces an object's size, so that a 
 
 
 def _announced(backend, announced: np.ndarray, what: str, ranks) -> np.ndarray:
-    """The sizes ``ranks`` announced (``[tag, size]`` each), else CollectiveMismatchError: a rank that
-    sent something else is in another collective (one more or fewer than this rank)."""
+    """The sizes ``ranks`` announced, else CollectiveMismatchError: a rank sent none (another collective)."""
     pairs = announced.reshape(-1, 2)
     other = [r for r, (tag, size) in zip(ranks, pairs) if tag != _OBJECT_TAG or not 0 <= size < 2**40]
     if other:

@@ -40,7 +40,6 @@ class DistributedDataContainer:
         self._before = []  # the parts of this epoch run before a restart at another world size or batch size
         self._resume = None  # load_state_dict's state, for the next batches()
         self._auto_sizes = None  # the batch sizes share="auto" last agreed on
-        # columns: None unless a tuple or dict; a length that differs by rank would give unequal steps
         self._columns, self._n = _columns_and_length(data, self._label)
         check_same(backend, self._label, {"data (the whole data set), of length": self._n})
         self.indices = range(*partition.shard_bounds(self._n, self.world_size, self.rank))
@@ -239,7 +238,7 @@ class DistributedDataContainer:
         return self._auto_sizes
 
     def _counted(self, how, before, batch_size, start, batches, auto=False):
-        """``batches``, keeping ``state_dict`` current; ``auto``: the rest re-split once speeds are measured."""
+        """``batches``, keeping ``state_dict`` current; ``auto``: the rest re-split once speeds are known."""
         epoch = how["epoch"]
         self.epoch, self._before, self._part = epoch, before, (self.world_size, batch_size, start)
         clock = []  # (seconds, seconds in collectives) at each hand-out
@@ -331,8 +330,7 @@ def _take(field, idx):
 
 
 def _stack(values: list):
-    """A list of items as one batch: tuples and dicts per field, numbers and arrays as an
-    mx.array, anything else (strings, objects, ragged rows) as the list itself."""
+    """Items as one batch: per field (tuples, dicts), an mx.array (numbers, arrays), else the list itself."""
     first = values[0]
     if isinstance(first, tuple):
         return tuple(_stack(list(col)) for col in zip(*values))

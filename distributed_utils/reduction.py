@@ -35,8 +35,7 @@ def reduce_gradients(
     - ``op``: "avg" (N ranks at batch B step like one process at batch N*B) or "sum", times ``scale``.
     - ``weight``: this rank's weight (a number >= 0 or 0-d mx.array: its tokens, say): the result
       is ``sum_r w_r g_r / sum_r w_r`` (zeros if every weight is 0), as one process on the union.
-    - ``compression``: ``mx.bfloat16``/``mx.float16`` (or their names), or ``"int8"``: ``127 // N``
-      levels a side of a per-array unit (for DiLoCo's pseudo-gradients).
+    - ``compression``: ``mx.bfloat16``/``mx.float16`` (or their names), or ``"int8"`` (the table's unit).
     - ``bucket_bytes``: smaller arrays travel packed by dtype, this many bytes a collective (0: each
       alone; default the backend's ``bucket_bytes``); larger ones alone, as they are.
     - ``verify``: first check, in one 32-byte allgather, that every rank passes the same tree

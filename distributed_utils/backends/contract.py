@@ -136,8 +136,7 @@ def launched_for(mlx_name: str) -> bool:
 def check_ring_addresses():
     """Raise unless this rank can listen on its MLX_HOSTFILE addresses (MLX: "Couldn't bind socket")."""
     path = os.environ["MLX_HOSTFILE"]
-    with open(path) as f:
-        hosts = json.load(f)
+    hosts = json.loads(Path(path).read_text())
     rank = os.environ.get("MLX_RANK", "")
     if not (rank.isdigit() and int(rank) < len(hosts)):
         raise BackendUnavailableError(
