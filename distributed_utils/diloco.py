@@ -214,10 +214,8 @@ def _fragments(leaves, count) -> list:
     for i, (key, a) in enumerate(leaves):
         run.append(key)
         filled += a.nbytes
-        left = len(leaves) - i - 1  # every later run needs an array
-        if len(out) < count - 1 and (
-            filled >= total * (len(out) + 1) / count or left == count - 1 - len(out)
-        ):
+        need = count - 1 - len(out)  # runs still to close (each later run needs an array)
+        if need > 0 and (filled >= total * (len(out) + 1) / count or len(leaves) - i - 1 == need):
             out.append(run)
             run = []
     return out + [run]
