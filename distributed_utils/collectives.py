@@ -248,13 +248,13 @@ def root_runs(backend, fn, root, error_type, doing: str):
 
 def check_same(backend, who: str, values: dict, error=ValueError, explain=None):
     """Collective: unless every rank passes the same ``values`` (by repr), ``error`` on every rank naming
-    the first that differs and each rank's value (or ``explain(every rank's values)``)."""
+    the first that differs and each rank's value (or ``explain(who, every rank's values)``)."""
     digest = np.frombuffer(hashlib.sha256(repr(values).encode()).digest(), np.uint8)
     if (allgather(backend, digest).reshape(backend.size, -1) == digest).all():
         return
     everyone = _objects(backend, values)
     if explain is not None:
-        raise error(explain(everyone))
+        raise error(explain(who, everyone))
     name = next(name for name in values if len({repr(theirs[name]) for theirs in everyone}) > 1)
     differ = [r for r, theirs in enumerate(everyone) if repr(theirs[name]) != repr(everyone[0][name])]
     shown = ", ".join(f"rank {r}: {theirs[name]!r}" for r, theirs in enumerate(everyone))

@@ -32,11 +32,7 @@ class DistributedDataContainer:
         self.world_size = total_workers(backend)
         self.data = data
         self.epoch = 0
-        self._part = (
-            self.world_size,
-            None,
-            0,
-        )  # this epoch's batches() so far: world size, batch size, count
+        self._part = (self.world_size, None, 0)  # this epoch's batches(): world size, batch size, count
         self._before = []  # the parts of this epoch run before a restart at another world size or batch size
         self._resume = None  # load_state_dict's state, for the next batches()
         self._auto_sizes = None  # the batch sizes share="auto" last agreed on

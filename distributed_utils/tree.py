@@ -73,12 +73,10 @@ def describe(tree) -> list:
 
 def verify_same_structure(backend, description: list, what: str):
     """Collective: unless every rank's ``description`` is the same, TreeMismatchError naming the first key."""
-    check_same(
-        backend, what, {"tree": description}, TreeMismatchError, lambda every: _mismatch_message(every, what)
-    )
+    check_same(backend, what, {"tree": description}, TreeMismatchError, _mismatch_message)
 
 
-def _mismatch_message(everyone: list, what: str) -> str:
+def _mismatch_message(what: str, everyone: list) -> str:
     descriptions = [values["tree"] for values in everyone]
     tables = [dict(d) for d in descriptions]
     keys = list(dict.fromkeys(k for d in descriptions for k, _ in d))
