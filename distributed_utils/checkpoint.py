@@ -115,11 +115,10 @@ def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None, s
 
 
 def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
-    """Collective: rank 0 reads ``path`` (in a ``keep`` directory, the newest intact one: newer damaged
-    ones are set aside as ``.damaged``) for every rank: ``model``'s parameters (in place),
-    ``optimizer``'s state, ``data``'s position, each rank's random state (at the world size saved).
-    Returns ``{"step", "data", "extra", "world_size"}``, or None when there is no checkpoint; raises
-    CheckpointError on every rank for a damaged file or one that does not fit."""
+    """Collective: rank 0 reads ``path`` (a ``keep`` directory: its newest intact one; newer damaged ones
+    set aside as ``.damaged``) into ``model`` (in place), ``optimizer``, ``data`` and each rank's random
+    state (at the world size saved). Returns ``{"step", "data", "extra", "world_size"}``, or None when
+    there is none; CheckpointError on every rank for a damaged file or one that does not fit."""
     check_backend(backend)
     read = {}  # rank 0's arrays
 

@@ -85,9 +85,8 @@ class Collective:
 
     def text(self, limit=None) -> str:
         """What reports show and debug mode checks: ``#5 allreduce(float32(3,), sum)`` (``limit`` arrays)."""
-        arrays = (
-            self.arrays if isinstance(self.arrays, list) else [] if self.arrays is None else [self.arrays]
-        )
+        a = self.arrays
+        arrays = a if isinstance(a, list) else [] if a is None else [a]
         shown = [show(signature(a)) for a in arrays[:limit]]
         more = [f"... ({len(arrays)} arrays)"] if limit is not None and len(arrays) > limit else []
         return f"#{self.seq} {self.what}({', '.join(shown + more + list(self.details))})"

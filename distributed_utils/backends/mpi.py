@@ -16,10 +16,9 @@ SMALL_BYTES = 64 * 2**10
 
 
 class MPIBackend(AbstractBackend):
-    """MPI through mpi4py on host buffers: an ``mx.array``'s memory read through a numpy view, and
-    reduced in place in it when handed over (``in_place``), else in a copy; numbers and numpy
-    arrays stay in numpy (``host_buffers``). While MLX traces a function (``mx.compile``) the
-    collectives are MLX's own MPI ops on the same processes (``MLXMPIBackend``)."""
+    """MPI through mpi4py on host buffers: an ``mx.array``'s memory, read through a numpy view, is reduced
+    in place when handed over (``in_place``), else in a copy; numpy arrays stay in numpy. While MLX
+    traces a function, the collectives are MLX's own MPI ops on the same processes (``MLXMPIBackend``)."""
 
     launch_name, started_by_du_launch = "mpi", True
     bucket_bytes = 64 * 2**10  # (MPI's latency is small: packing beyond that only costs a copy)
