@@ -172,8 +172,7 @@ def _shards(backend, model, optimizer, who) -> dict:
 def _flat(section, tree) -> dict:
     flat = {}
     for key, leaf in tree_flatten(tree):
-        if isinstance(leaf, np.ndarray):
-            leaf = to_mx(leaf)
+        leaf = to_mx(leaf) if isinstance(leaf, np.ndarray) else leaf
         if not isinstance(leaf, mx.array):
             raise TypeError(
                 f"save_checkpoint: {section} leaf '{key}' is a {type(leaf).__name__}, not an array; "

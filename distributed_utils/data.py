@@ -42,12 +42,10 @@ class DistributedDataContainer:
         if collate is not None and not callable(collate):
             raise TypeError(f"{self._label}: collate must be a function from a list of items to a batch")
         self.collate = collate
-        self._lengths = self._length_function(lengths)
+        self._lengths = None if lengths is None else self._length_function(lengths)
 
     def _length_function(self, lengths):
         """``lengths`` as a function from global indices to lengths (memoized for a function of an item)."""
-        if lengths is None:
-            return None
         if callable(lengths):
             of_item = functools.cache(lambda i: lengths(self._item(i)))
             return lambda indices: [of_item(i) for i in indices.tolist()]

@@ -113,8 +113,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
                 f"DiLoCo: fragments={self.fragments} but the model has only {len(leaves)} "
                 "parameter arrays; a fragment is at least one array"
             )
-        self._global = dict(leaves)  # (no copy: MLX arrays do not change; the local ones become new arrays)
-        self._local = dict(leaves)
+        self._global, self._local = dict(leaves), dict(leaves)  # (no copy: MLX arrays do not change)
         self._fragment_keys = _fragments(leaves, self.fragments)
         self.inner_optimizer.init(parameters)
         self.outer_optimizer.init(self._global)

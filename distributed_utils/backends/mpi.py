@@ -72,12 +72,11 @@ class MPIBackend(AbstractBackend):
             else:
                 w = widened(a)  # (no MPI type: reduced in float32, rounded once)
                 view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
-                if view is None and w.size:  # a copy to reduce in: a small one in numpy (see _received)
-                    if w.nbytes <= SMALL_BYTES:
-                        w = view = np.array(w, order="C")  # (evaluated, of a dtype numpy has: not narrow)
-                    else:
-                        w = to_mx(contiguous_numpy(w))
-                        view = own_memory(w)
+                if view is None and w.size and w.nbytes <= SMALL_BYTES:  # a small copy: numpy's (_received)
+                    w = view = np.array(w, order="C")  # (evaluated, of a dtype numpy has: not narrow)
+                elif view is None and w.size:  # a copy to reduce in
+                    w = to_mx(contiguous_numpy(w))
+                    view = own_memory(w)
             work.append(w)
             views.append(view)
         for flat in [view.reshape(-1) for view in views if view is not None]:
