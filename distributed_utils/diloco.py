@@ -124,9 +124,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         and every rank's local parameters, inner state and weights, stacked in rank order."""
         if self._global is None:
             return self.state
-        started = {}  # the average of a fragment in flight (fragment_sync_delay), waited for now
-        for pending in self._started.values():
-            started.update(pending.wait())
+        # the averages of the fragments in flight (fragment_sync_delay), waited for now
+        started = {k: a for pending in self._started.values() for k, a in pending.wait().items()}
         weights = mx.zeros((0,)) if self._weights is None else mx.stack(self._weights)
         mine = {"inner": self.inner_optimizer.state, "local": self._local, "weights": weights}
         ranks = tree_map(lambda a: allgather(self.backend, a[None]), mine)
@@ -144,11 +143,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         self._weights = [w for w in ranks["weights"][row]] if ranks["weights"].shape[1] else None
         self._local = {k: v[row] for k, v in tree_flatten(ranks["local"])}
         started = dict(tree_flatten(state.get("started", {})))
-        self._started = {
-            f: Pending({k: started[k] for k in keys})
-            for f, keys in enumerate(self._fragment_keys)
-            if keys[0] in started
-        }
+        in_flight = [(f, keys) for f, keys in enumerate(self._fragment_keys) if keys[0] in started]
+        self._started = {f: Pending({k: started[k] for k in keys}) for f, keys in in_flight}
         if model is not None:
             model.update(tree_unflatten(list(self._local.items())))
 
