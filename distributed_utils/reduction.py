@@ -63,10 +63,9 @@ class Reduction:
         return dict(op=self.op, compression=self.compression, bucket_bytes=self.bucket_bytes)
 
     def reduce(self, tree, *, scale=1.0, weight=None, start=False, scatter=False, verify=True, what=None):
-        """Collective: ``tree``'s floating mx.arrays reduced (the result: ``Pending.wait()``).
-        ``weight``: this rank's, for the weighted mean; ``start``: the sums travel while this rank
-        computes (MLX backends) until ``wait()``; ``scatter``: the leaves are 1-d, of lengths that
-        N divides, and each comes back as this rank's part of the result (a reduce-scatter)."""
+        """Collective: ``tree``'s floating mx.arrays reduced (``Pending.wait()`` gives them). ``weight``: this
+        rank's; ``start``: the sums travel while this rank computes (MLX backends); ``scatter``: 1-d leaves of
+        lengths N divides, each back as this rank's part (a reduce-scatter)."""
         what, weight = what or "reduce_gradients(grads)", None if weight is None else as_weight(weight)
         arrays = [g for _, g in self.check(tree, weight, what, verify, scale)]
         if self.backend.size == 1 and weight is None:  # (a reduce-scatter's one part is the whole)

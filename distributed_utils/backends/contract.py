@@ -172,9 +172,8 @@ def mlx_mpi_available() -> bool:
 
 @functools.cache  # (once: a call that raises is not cached)
 def start_mlx_mpi():
-    """Initialize MLX's MPI backend once, under ``mpirun``, before mpi4py: MLX's fails silently (a
-    world of one) after mpi4py's MPI_Init, while mpi4py accepts MLX's. BackendUnavailableError
-    when it cannot: no libmpi, or mpi4py was first."""
+    """Initialize MLX's MPI backend once under ``mpirun``, before mpi4py (after mpi4py's MPI_Init, MLX's is
+    silently a world of one); BackendUnavailableError if it cannot (no libmpi, or mpi4py was first)."""
     import mlx.core as mx
 
     if not launched_by_mpirun():

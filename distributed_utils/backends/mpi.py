@@ -111,9 +111,8 @@ class MPIBackend(AbstractBackend):
 
 
 def _received(shape, dtype, mx_dtype, receive) -> mx.array:
-    """A new mx.array of ``shape`` written by ``receive(bytes)`` as numpy ``dtype``, seen as ``mx_dtype``
-    (bfloat16 travels as its uint16 bits): in its own memory, or up to ``SMALL_BYTES`` in numpy's,
-    then copied (cheaper than a new MLX array)."""
+    """A new mx.array of ``shape`` (seen as ``mx_dtype``) that ``receive(bytes)`` writes as numpy ``dtype``:
+    into its own memory, or up to ``SMALL_BYTES`` into numpy's, then copied (cheaper than a new MLX array)."""
     if int(np.prod(shape)) * dtype.itemsize <= SMALL_BYTES:
         out = np.zeros(shape, dtype)  # (zeros, as mx.zeros: no stale memory if a rank sent less)
         receive(_bytes(out))
