@@ -47,8 +47,7 @@ def allreduce(backend, x, op):
     arr, back = _as_array(x)
     op = _checked_op(op, arr.dtype)
     bools, nan_wins = arr.dtype in _BOOLS, op in ("max", "min") and is_floating(arr.dtype)
-    if isinstance(arr, np.ndarray) and not (backend.host_buffers and not (bools or nan_wins)):
-        arr = to_mx(arr)  # (else it stays in numpy, and no MLX array is made: MPI on host memory)
+    arr = _mx(arr) if bools or nan_wins or not backend.host_buffers else arr  # (else MPI on numpy's memory)
     if bools:  # as bytes: MPI aborts on bools
         op = "max" if op in ("sum", "max") else "min"
         return back(_reduce(backend, "allreduce", [arr.astype(mx.uint8)], op)[0].astype(mx.bool_))
