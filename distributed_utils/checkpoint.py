@@ -90,8 +90,7 @@ def save_checkpoint(
 
 
 def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None, stale=None):
-    """Collective: rank 0 writes ``arrays`` to ``path`` and runs ``then()``, sending a heartbeat (1)
-    every HEARTBEAT_SECONDS or so, then 0 (else CheckpointError)."""
+    """Collective: rank 0 writes ``arrays`` to ``path``, runs ``then()``, heartbeats going out."""
     if backend.rank != 0:
         while bcast(backend, np.array([0]), 0)[0]:
             pass

@@ -175,8 +175,7 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
 
 
 def _objects(backend, obj, root=None) -> list:
-    """Root's picklable ``obj`` on every rank, in a list (``root`` None: every rank's); a TypeError on
-    every rank if a rank cannot pickle or unpickle one."""
+    """``[root's obj]`` on every rank (``root`` None: every rank's); TypeError if one cannot (un)pickle."""
     senders = range(backend.size) if root is None else [root]
     send = (lambda a: allgather(backend, a)) if root is None else (lambda a: bcast(backend, a, root))
     what = "allgather_object" if root is None else "bcast_object"

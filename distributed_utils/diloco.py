@@ -194,8 +194,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
             self._weights[f] = mx.array(0.0)
 
     def _sync(self, f, local) -> dict:
-        """Collective: this rank's parameters of fragment ``f`` after its outer step (the new global
-        ones, or mixed with its own: ``fragment_update_alpha``)."""
+        """Collective: fragment ``f``'s parameters after its outer step (global, or mixed: ``alpha``)."""
         averaged = self._started.pop(f).wait()
         updated = self.outer_optimizer.apply_gradients(averaged, {k: self._global[k] for k in averaged})
         mx.eval(updated, self.outer_optimizer.state)
