@@ -341,10 +341,7 @@ def save_adapters(backend, path, model, config=None):
     ``config`` beside it as ``adapter_config.json``; CheckpointError on every rank if it could not."""
     check_backend(backend)
     path = Path(path)
-
-    def write_config():
-        if config is not None:
-            (path.parent / "adapter_config.json").write_text(json.dumps(config, indent=4))
-
+    config_file = path.parent / "adapter_config.json"
+    write_config = None if config is None else lambda: config_file.write_text(json.dumps(config, indent=4))
     arrays = dict(tree_flatten(model.trainable_parameters()))
     _root_writes(backend, path, arrays, json.dumps({"format": "adapters"}), write_config)
