@@ -181,7 +181,12 @@ def _objects(backend, obj, root=None) -> list:
     what = "allgather_object" if root is None else "bcast_object"
 
     def run(_):
-        payload, error = _pickled(obj) if backend.rank in senders else (np.empty(0, np.uint8), None)
+        payload, error = np.empty(0, np.uint8), None
+        if backend.rank in senders:
+            try:
+                payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+            except Exception as e:
+                error = f"cannot pickle it: {type(e).__name__}: {e}"
         sizes = _announced(backend, send(np.array([_OBJECT_TAG, payload.size])), what, senders)
         padded = np.zeros((1, int(sizes.max())), np.uint8)
         padded[0, : payload.size] = payload
@@ -211,14 +216,6 @@ def _announced(backend, announced: np.ndarray, what: str, ranks) -> np.ndarray:
             "collective (a rank made one collective more or fewer than the others; DU_DEBUG=1 names it)"
         )
     return pairs[:, 1]
-
-
-def _pickled(obj):
-    """``(bytes, None)``: ``obj``'s pickle; or ``(no bytes, why)`` when it cannot be pickled."""
-    try:
-        return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8), None
-    except Exception as e:
-        return np.empty(0, np.uint8), f"cannot pickle it: {type(e).__name__}: {e}"
 
 
 def _unpickled(payload: np.ndarray):
