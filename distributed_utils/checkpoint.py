@@ -25,8 +25,7 @@ from .tree import describe
 
 FORMAT = "distributed_utils.checkpoint/2"
 _FORMAT_1 = "distributed_utils.checkpoint/1"  # (read too: without the checksum of the metadata)
-#: While rank 0 writes, every rank hears from it this often (a collective each): a long save is
-#: not a stall, and the watchdog still catches a rank 0 that stopped.
+#: While rank 0 writes, every rank hears from it this often: a long save is no stall; a stopped rank 0 is.
 HEARTBEAT_SECONDS = 1.0
 _PIECE_BYTES = 64 * 2**20  # written between heartbeats; fsync every 4 pieces
 

@@ -1,8 +1,7 @@
 """The watchdog: a collective that does not finish in time ends the job with a report, not a hang.
 
-Every collective runs inside ``Collective(...)``, an entry in the table of regions in flight that a
-daemon thread checks. Past its timeout an entry is reported, and after ``GRACE`` seconds (for the
-other ranks' reports) ``os._exit(WATCHDOG_EXIT)`` ends the process; the launcher stops the others."""
+A daemon thread checks the regions in flight (``Collective``, ``watch``): one past its timeout is reported;
+``GRACE`` seconds later (for the others' reports) ``os._exit(WATCHDOG_EXIT)``; the launcher stops the rest."""
 
 import contextlib
 import faulthandler
