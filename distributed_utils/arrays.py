@@ -6,8 +6,7 @@ import numpy as np
 #: The mx dtypes by name (mx dtypes do not pickle; their names do).
 MX_DTYPES = {str(d).removeprefix("mlx.core."): d for d in vars(mx).values() if isinstance(d, mx.Dtype)}
 
-#: The numpy dtypes a collective accepts (numpy has no bfloat16), and the mx dtype of the same name
-#: (a numpy dtype's ``.name`` takes microseconds).
+#: The numpy dtypes a collective accepts (numpy has no bfloat16) -> the mx dtype of the same name.
 MX_BY_NUMPY = {np.dtype(name): d for name, d in MX_DTYPES.items() if name != "bfloat16"}
 DTYPE_NAMES = "bool, (u)int8-64, float16, bfloat16, float32, float64, complex64"
 

@@ -1,11 +1,7 @@
-"""Checkpoints that survive a job killed at any moment, and resume to the same trajectory.
-
-Collective: rank 0 writes one safetensors file atomically (a CRC-32 per array, and one over the
-metadata and the header) and every rank returns once it is complete, so ``path`` always holds
-the last complete checkpoint;
-rank 0 reads it back and broadcasts it, so the other ranks (on other hosts) need not see it.
-With the same data order, training continues bit for bit as if it had never stopped.
-"""
+"""Checkpoints that survive a job killed at any moment, and resume to the same trajectory (bit for
+bit, with the same data order). Rank 0 writes one safetensors file atomically (a CRC-32 per array, one
+over the metadata and the header), so ``path`` always holds the last complete checkpoint, and reads it
+back for every rank: the other ranks (on other hosts) need not see it."""
 
 import io
 import itertools
@@ -29,8 +25,7 @@ from .tree import describe
 
 FORMAT = "distributed_utils.checkpoint/2"
 _FORMAT_1 = "distributed_utils.checkpoint/1"  # (read too: without the checksum of the metadata)
-#: While rank 0 writes, every rank hears from it this often (a collective each): a long save is
-#: not a stall, and the watchdog still catches a rank 0 that stopped.
+#: While rank 0 writes, every rank hears from it this often: a long save is no stall; a stopped rank 0 is.
 HEARTBEAT_SECONDS = 1.0
 _PIECE_BYTES = 64 * 2**20  # written between heartbeats; fsync every 4 pieces
 
@@ -60,8 +55,7 @@ def save_checkpoint(
     ``state_dict()``/``load_state_dict()``. ``step``, ``extra``: JSON values. Every rank's
     ``mx.random`` state is saved too. ``keep=k``: ``path`` is a directory of
     ``step-{step}.safetensors`` files: the newest k by step stay, and a save's later steps
-    (a trajectory left when the job resumed from an older one) are set aside as ``.superseded``.
-    """
+    (a trajectory left when the job resumed from an older one) are set aside as ``.superseded``."""
     check_backend(backend)
     if keep is not None:  # (the files' names sort by step)
         check_count(keep, 1, "save_checkpoint: keep")
@@ -95,9 +89,7 @@ def save_checkpoint(
 
 
 def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None, stale=None):
-    """Collective: rank 0 writes ``arrays`` to ``path`` atomically (``_write_atomically``) and runs
-    ``then()``, sending every rank a heartbeat (1) every HEARTBEAT_SECONDS or so, then 0 (else
-    CheckpointError)."""
+    """Collective: rank 0 writes ``arrays`` to ``path``, runs ``then()``, heartbeats going out."""
     if backend.rank != 0:
         while bcast(backend, np.array([0]), 0)[0]:
             pass
@@ -121,13 +113,10 @@ def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None, s
 
 
 def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
-    """Collective: rank 0 reads ``path`` (in a ``keep`` directory, the newest intact one: newer
-    damaged ones are set aside as ``.damaged``), verifies its checksums and broadcasts it:
-    ``model``'s parameters (in place), ``optimizer``'s state, ``data``'s position, each rank's
-    random state (at the world size saved). Returns ``{"step", "data", "extra", "world_size"}``,
-    or None when there is no checkpoint; raises CheckpointError on every rank for a damaged file
-    or one that does not fit.
-    """
+    """Collective: rank 0 reads ``path`` (a ``keep`` directory: its newest intact one; newer damaged ones
+    set aside as ``.damaged``) into ``model`` (in place), ``optimizer``, ``data`` and each rank's random
+    state (at the world size saved). Returns ``{"step", "data", "extra", "world_size"}``, or None when
+    there is none; CheckpointError on every rank for a damaged file or one that does not fit."""
     check_backend(backend)
     read = {}  # rank 0's arrays
 
@@ -178,14 +167,10 @@ def _shards(backend, model, optimizer, who) -> dict:
     return fsdp.sharded(model)
 
 
-# --- the file -------------------------------------------------------------------------------
-
-
 def _flat(section, tree) -> dict:
     flat = {}
     for key, leaf in tree_flatten(tree):
-        if isinstance(leaf, np.ndarray):
-            leaf = to_mx(leaf)
+        leaf = to_mx(leaf) if isinstance(leaf, np.ndarray) else leaf
         if not isinstance(leaf, mx.array):
             raise TypeError(
                 f"save_checkpoint: {section} leaf '{key}' is a {type(leaf).__name__}, not an array; "
@@ -200,10 +185,9 @@ def _section(arrays, section) -> list:
 
 
 def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat, stale=None):
-    """Write ``arrays`` to ``path`` with MLX's safetensors writer (float64 as its bits), each array's
-    CRC-32 in the metadata, and a CRC-32 of the metadata and the header (``_header_crc``): to a
-    temporary file (removed on failure; those of killed saves, ``stale``, before), fsync,
-    rename, fsync of the directory. ``heartbeat()`` runs after each checksum and each piece written."""
+    """Write ``arrays`` (float64 as its bits) and their CRC-32s to a temporary file (removed on failure;
+    those of killed saves, ``stale``, before), fsync, rename to ``path``, fsync the directory.
+    ``heartbeat()`` runs after each checksum and each piece written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for old in path.parent.glob(stale or f".{path.name}.tmp-*"):  # left by a killed job
         old.unlink(missing_ok=True)
@@ -235,17 +219,15 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat, stale
 
 
 def _header_crc(metadata: dict, arrays: dict) -> str:
-    """A CRC-32 of everything a load trusts besides the arrays' bytes: the metadata (step, data
-    position, extra, world size, key order, dtype lists, the checksums) and each array's name,
-    dtype and shape."""
+    """A CRC-32 of the metadata and each array's name, dtype and shape: all a load trusts but the bytes."""
     parts = [metadata.get(k, "") for k in ("distributed_utils", "crc32", "float64", "keys")]
     parts += [f"{key} {a.dtype} {a.shape}" for key, a in sorted(arrays.items())]
     return str(zlib.crc32("\n".join(parts).encode()))
 
 
 class _Pieces(io.RawIOBase):
-    """The file as MLX's writer sees it: each write goes out in pieces of ``_PIECE_BYTES``,
-    ``heartbeat()`` after each, fsync after every 4 (so that the last fsync stays short)."""
+    """The file as MLX's writer sees it: writes go out in pieces of ``_PIECE_BYTES``, ``heartbeat()``
+    after each, fsync after every 4 (so that the last fsync stays short)."""
 
     def __init__(self, f, heartbeat):
         self.f, self.heartbeat, self.count = f, heartbeat, 0
@@ -271,8 +253,7 @@ def _checkpoints_in(folder: Path) -> list:
 
 
 def _set_aside(path: Path, why: str):
-    """Rename ``path`` to ``path.why`` (``.why-2``, ...: never over another): no longer a checkpoint
-    of the directory, still on disk."""
+    """Rename ``path`` to ``path.why`` (``.why-2``, ...: never over another), out of the checkpoints."""
     names = (f"{path.name}.{why}" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
     aside = next(path.with_name(name) for name in names if not path.with_name(name).exists())
     path.rename(aside)
@@ -280,8 +261,7 @@ def _set_aside(path: Path, why: str):
 
 
 def _find_and_read(path: Path):
-    """``(path, arrays, meta)`` of the checkpoint at ``path`` (None, None: there is none), or of
-    the newest intact one in the directory ``path`` (the newer damaged ones set aside)."""
+    """``(path, arrays, meta)`` at ``path`` (a directory: its newest intact checkpoint); meta None: none."""
     if not path.is_dir():
         return path, *_verified(path)
     damaged = {}
@@ -304,8 +284,7 @@ def _find_and_read(path: Path):
 
 
 def _verified(path: Path):
-    """``(arrays, meta)`` read from ``path`` (None, None: no file), checksums verified; else a
-    CheckpointError naming what is wrong."""
+    """``(arrays, meta)`` read from ``path`` (None, None: no file), verified; else CheckpointError."""
     if not path.exists():
         return None, None
     try:
@@ -339,9 +318,9 @@ def _verified(path: Path):
 
 
 def _check_fits(path, section, saved, tree, exact=True):
-    """Raise unless the checkpoint's signatures ``saved`` (rank 0's: every rank alike) hold ``section``
-    with the keys, dtypes and shapes of ``tree`` (None: any; not ``exact``: at ``tree``'s keys)."""
-    saved = {k.removeprefix(section + "."): sig for k, sig in saved.items() if k.startswith(section + ".")}
+    """Raise unless the signatures ``saved`` (rank 0's) hold ``section`` with the keys, dtypes and
+    shapes of ``tree`` (None: any; not ``exact``: at ``tree``'s keys)."""
+    saved = dict(_section(saved, section))
     if not saved:
         raise CheckpointError(f"load_checkpoint: {path} holds no {section} (it was saved without {section}=)")
     have = {} if tree is None else dict(describe(tree))
@@ -362,11 +341,8 @@ def save_adapters(backend, path, model, config=None, *, trainable_only=True):
     ``config`` beside it as ``adapter_config.json``; CheckpointError on every rank if it could not."""
     check_backend(backend)
     path, shards = Path(path), _shards(backend, model, None, "save_adapters")
-
-    def write_config():
-        if config is not None:
-            (path.parent / "adapter_config.json").write_text(json.dumps(config, indent=4))
-
+    config_file = path.parent / "adapter_config.json"
+    write_config = None if config is None else lambda: config_file.write_text(json.dumps(config, indent=4))
     params = model.trainable_parameters() if trainable_only else model.parameters()
     arrays = dict(tree_flatten(fsdp.whole_tree(params, shards)))
     _root_writes(backend, path, arrays, json.dumps({"format": "adapters"}), write_config)

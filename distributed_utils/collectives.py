@@ -32,9 +32,9 @@ def bcast(backend, x, root: int = 0):
     rank), or any picklable object, sent whole from root."""
     check_root(backend, root)
     if not isinstance(x, (mx.array, np.ndarray)):
-        return _bcast_object(backend, x, root)
-    arr, back = _as_mx(x)
-    return back(_door(backend, "bcast", arr, lambda a: backend.bcast(a, root), f"root={root}"))
+        return _objects(backend, x, root)[0]
+    arr, back = _as_array(x)
+    return back(_door(backend, "bcast", _mx(arr), lambda a: backend.bcast(a, root), f"root={root}"))
 
 
 def allreduce(backend, x, op):
@@ -43,35 +43,32 @@ def allreduce(backend, x, op):
     (mx.array, numpy array or Python scalar; a Python int travels as int64, and its sum wraps
     as numpy's does). Bools: sum/max are OR, min/prod are AND. Floating max/min: a NaN on any
     rank gives NaN there, on every backend."""
-    op = _op_name(op)
     check_backend(backend)
-    arr, back = _as_mx(x) if isinstance(x, mx.array) else _as_numpy(x)
-    _check_op_dtype(op, arr.dtype)
+    arr, back = _as_array(x)
+    op = _checked_op(op, arr.dtype)
     bools, nan_wins = arr.dtype in _BOOLS, op in ("max", "min") and is_floating(arr.dtype)
-    if isinstance(arr, np.ndarray) and not (backend.host_buffers and not (bools or nan_wins)):
-        arr = to_mx(arr)  # (else it stays in numpy, and no MLX array is made: MPI on host memory)
+    arr = _mx(arr) if bools or nan_wins or not backend.host_buffers else arr  # (else MPI on numpy's memory)
     if bools:  # as bytes: MPI aborts on bools
         op = "max" if op in ("sum", "max") else "min"
-        return back(_reduce(backend, "allreduce", arr.astype(mx.uint8), op).astype(mx.bool_))
+        return back(_reduce(backend, "allreduce", [arr.astype(mx.uint8)], op)[0].astype(mx.bool_))
     if nan_wins:
         return back(_nan_wins(backend, arr, op))
-    return back(_reduce(backend, "allreduce", arr, op, in_place=arr is not x))  # (in place: in our own copy)
+    return back(_reduce(backend, "allreduce", [arr], op, in_place=arr is not x)[0])  # (in place: in our copy)
 
 
 def _nan_wins(backend, a, op):
-    """max or min where a NaN on any rank wins (transports keep it or not by its rank), in one
-    collective: NaNs made the losing infinity, beside NaN flags (1 for max, -1 for min: the op spreads)."""
+    """max or min where a NaN on any rank wins (on every transport): NaNs sent as the losing infinity,
+    beside NaN flags (1 for max, -1 for min: the op spreads them)."""
     nan = mx.isnan(a).reshape(-1)
     loser, flag = (-mx.inf, 1) if op == "max" else (mx.inf, -1)
     both = mx.concatenate([mx.where(nan, loser, a.reshape(-1)).astype(a.dtype), (nan * flag).astype(a.dtype)])
-    out = _reduce(backend, "allreduce", both, op)
+    out = _reduce(backend, "allreduce", [both], op)[0]
     return mx.where(out[a.size :] != 0, mx.nan, out[: a.size]).astype(a.dtype).reshape(a.shape)
 
 
 def weighted_mean(backend, value, weight) -> float:
     """Collective: ``sum_r value_r * weight_r / sum_r weight_r`` on every rank, in one allreduce
-    (NaN if every weight is 0): the loss per token over every rank's tokens, say. Call it on
-    every rank, and print on rank 0 alone."""
+    (NaN if every weight is 0): the loss per token over every rank's tokens, say."""
     v, w = (float(x.item()) if isinstance(x, mx.array) else float(x) for x in (value, weight))
     total = allreduce(backend, np.array([v * w, w]), "sum")
     return float(total[0] / total[1]) if total[1] else float("nan")
@@ -88,9 +85,9 @@ def allgather(backend, x):
     array); anything else, the list of every rank's ``x``."""
     check_backend(backend)
     if not isinstance(x, (mx.array, np.ndarray)):
-        return _allgather_object(backend, x)
-    arr, back = _as_mx(x)
-    arr = arr.reshape(1) if arr.ndim == 0 else arr
+        return _objects(backend, x)
+    arr, back = _as_array(x)
+    arr = _mx(arr.reshape(1) if arr.ndim == 0 else arr)
     return back(_door(backend, "allgather", arr, backend.allgather))
 
 
@@ -106,11 +103,9 @@ def allreduce_arrays(backend, arrays: list, op: str = "sum", scale: float = 1.0,
 
 
 def reduce_scatter_sum(backend, x, scale: float = 1.0):
-    """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``
-    (``AbstractBackend.reduce_scatter``)."""
-    return _door(
-        backend, "reduce_scatter", x, lambda a: backend.reduce_scatter(a, scale), *_shown("sum", scale)
-    )
+    """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``."""
+    primitive = lambda a: backend.reduce_scatter(a, scale)  # noqa: E731
+    return _door(backend, "reduce_scatter", x, primitive, *_shown("sum", scale))
 
 
 def _shown(op, scale) -> tuple:
@@ -123,20 +118,17 @@ def average_factor(backend) -> float:
     return 1.0 / backend.size
 
 
-def _reduce(backend, what, arrays, op, scale=1.0, in_place=False):
-    """The one path of every reduction; ``arrays``: a list, or one array (shown as itself)."""
+def _reduce(backend, what, arrays: list, op, scale=1.0, in_place=False) -> list:
+    """The one path of every reduction."""
     details = _shown(op, scale)
     if op == "avg":
         op, scale = "sum", scale * average_factor(backend)
-    if isinstance(arrays, list):
-        return _door(backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), *details)
-    return _door(backend, what, arrays, lambda a: backend.allreduce([a], op, scale, in_place)[0], *details)
+    return _door(backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), *details)
 
 
 def start_sum(backend, arrays: list, scale: float = 1.0) -> list:
-    """Collective: start the sum across ranks of each of ``arrays`` (handed over) times ``scale``;
-    ``finish`` waits for the results. The MLX backends sum on a stream of their own while this
-    rank computes; any other collective first waits for it."""
+    """Collective: start the sum across ranks of each of ``arrays`` (handed over) times ``scale``
+    (the MLX backends: on a stream of their own); ``finish``, or any other collective, waits for it."""
     global _in_flight
     primitive = lambda a: backend.start_sum(a, scale)  # noqa: E731
     _in_flight = _door(backend, "start_sum", arrays, primitive, *_shown("sum", scale), wait=False)
@@ -162,18 +154,14 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     names the rank and the collective. While MLX traces a function, nothing is evaluated or checked."""
     if _in_flight is not None:  # a start_sum not yet waited for: the transport carries one at a time
         finish(_in_flight)
-    tracing = not (isinstance(arrays, np.ndarray) or evaluate(arrays))  # (numpy needs no evaluation)
+    tracing = not evaluate(arrays)
     with watchdog.Collective(backend.rank, what, details, arrays) as call:
         if call is not None and call.debug and backend.size > 1 and not tracing:  # (its gathers: nested)
-            check_same(
-                backend,
-                "ranks issued different collectives (DU_DEBUG)",
-                {"collective": call.text()},
-                CollectiveMismatchError,
-            )
+            differ = "ranks issued different collectives (DU_DEBUG)"
+            check_same(backend, differ, {"collective": call.text()}, CollectiveMismatchError)
         try:
             out = primitive(arrays)
-            if wait and not isinstance(out, np.ndarray):
+            if wait:
                 evaluate(out)
         except RuntimeError as e:  # MLX's and mpi4py's
             if call is None or isinstance(e, CollectiveMismatchError):  # (nested: the outermost names it)
@@ -186,50 +174,41 @@ def _door(backend, what, arrays, primitive, *details, wait=True):
     return out
 
 
-# --- objects: pickled, travelling as bytes ---------------------------------------------
-
-
-def _bcast_object(backend, obj, root):
-    """Root's picklable ``obj`` on every rank (a TypeError on every rank if some rank cannot
-    pickle or unpickle it)."""
-
-    def run(_):
-        payload, error = _pickled(obj) if backend.rank == root else (np.empty(0, np.uint8), None)
-        announced = bcast(backend, np.array([_OBJECT_TAG, payload.size]), root)
-        size = _announced(backend, announced, "bcast_object", [root])
-        payload = bcast(backend, payload if backend.rank == root else np.empty(int(size[0]), np.uint8), root)
-        received, error = (obj, error) if backend.rank == root else _unpickled(payload)
-        return _raise_for_failures(backend, received, error, f"the object rank {root} broadcasts")
-
-    return _door(backend, "bcast_object", None, run, f"root={root}")
-
-
-def _allgather_object(backend, obj) -> list:
-    """The list of every rank's picklable ``obj`` (a TypeError on every rank as above)."""
+def _objects(backend, obj, root=None) -> list:
+    """``[root's obj]`` on every rank (``root`` None: every rank's); TypeError if one cannot (un)pickle."""
+    senders = range(backend.size) if root is None else [root]
+    send = (lambda a: allgather(backend, a)) if root is None else (lambda a: bcast(backend, a, root))
+    what = "allgather_object" if root is None else "bcast_object"
 
     def run(_):
-        payload, error = _pickled(obj)
-        sizes = _announced(
-            backend, allgather(backend, np.array([_OBJECT_TAG, payload.size])), "allgather_object"
-        )
+        payload, error = np.empty(0, np.uint8), None
+        if backend.rank in senders:
+            try:
+                payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+            except Exception as e:
+                error = f"cannot pickle it: {type(e).__name__}: {e}"
+        sizes = _announced(backend, send(np.array([_OBJECT_TAG, payload.size])), what, senders)
         padded = np.zeros((1, int(sizes.max())), np.uint8)
         padded[0, : payload.size] = payload
-        rows = allgather(backend, padded)
-        received = [_unpickled(row[:n]) for row, n in zip(rows, sizes)]
+        rows = send(padded)
+        received = [(obj, None)] if backend.rank == root else [_unpickled(r[:n]) for r, n in zip(rows, sizes)]
         error = error or next((e for _, e in received if e is not None), None)
-        return _raise_for_failures(backend, [r for r, _ in received], error, "the objects ranks gather")
+        failed = allgather(backend, np.array([error is not None]))
+        if failed.any():  # (errors are strings: they pickle)
+            errors = _objects(backend, error)
+            whose = "the objects ranks gather" if root is None else f"the object rank {root} broadcasts"
+            raise TypeError(f"{whose}: " + "; ".join(f"rank {r} {errors[r]}" for r in np.flatnonzero(failed)))
+        return [r for r, _ in received]
 
-    return _door(backend, "allgather_object", None, run)
+    return _door(backend, what, None, run, *([] if root is None else [f"root={root}"]))
 
 
 _OBJECT_TAG = 0x64755F6F626A  # "du_obj": announces an object's size, so that a mismatch is seen
 
 
-def _announced(backend, announced: np.ndarray, what: str, ranks=None) -> np.ndarray:
-    """The sizes ``ranks`` (default: all) announced (``[tag, size]`` each), else CollectiveMismatchError:
-    a rank that sent something else is in another collective (one more or fewer than this rank)."""
+def _announced(backend, announced: np.ndarray, what: str, ranks) -> np.ndarray:
+    """The sizes ``ranks`` announced, else CollectiveMismatchError: a rank sent none (another collective)."""
     pairs = announced.reshape(-1, 2)
-    ranks = range(len(pairs)) if ranks is None else ranks
     other = [r for r, (tag, size) in zip(ranks, pairs) if tag != _OBJECT_TAG or not 0 <= size < 2**40]
     if other:
         raise CollectiveMismatchError(
@@ -239,29 +218,12 @@ def _announced(backend, announced: np.ndarray, what: str, ranks=None) -> np.ndar
     return pairs[:, 1]
 
 
-def _pickled(obj):
-    """``(bytes, None)``: ``obj``'s pickle; or ``(no bytes, why)`` when it cannot be pickled."""
-    try:
-        return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8), None
-    except Exception as e:
-        return np.empty(0, np.uint8), f"cannot pickle it: {type(e).__name__}: {e}"
-
-
 def _unpickled(payload: np.ndarray):
     """``(object, None)``; ``(None, why)`` if it cannot be unpickled; ``(None, None)`` for no bytes."""
     try:
         return (pickle.loads(payload.tobytes()), None) if payload.size else (None, None)
     except Exception as e:
         return None, f"cannot unpickle it: {type(e).__name__}: {e}"
-
-
-def _raise_for_failures(backend, result, error, what):
-    """Collective: ``result``, unless some rank has an ``error``: then a TypeError on every rank."""
-    failed = allgather(backend, np.array([error is not None]))
-    if failed.any():
-        errors = _allgather_object(backend, error)
-        raise TypeError(f"{what}: " + "; ".join(f"rank {r} {errors[r]}" for r in np.flatnonzero(failed)))
-    return result
 
 
 def root_runs(backend, fn, root, error_type, doing: str):
@@ -273,41 +235,31 @@ def root_runs(backend, fn, root, error_type, doing: str):
             result = fn()
         except Exception as e:  # the other ranks must hear of it rather than wait
             error, cause = f"{type(e).__name__}: {e}", e
-    result, error = _bcast_object(backend, (result, error), root)
+    result, error = _objects(backend, (result, error), root)[0]
     if error is not None:
         raise error_type(f"rank {root} could not {doing}: {error}") from cause  # (root's traceback, on root)
     return result
 
 
 def check_same(backend, who: str, values: dict, error=ValueError, explain=None):
-    """Collective: unless every rank passes the same ``values`` (by repr), ``error`` on every
-    rank naming the first that differs and each rank's value (or ``explain(every rank's
-    values)``). One allgather of a 32-byte digest; the values travel only on a mismatch."""
+    """Collective: unless every rank passes the same ``values`` (by repr), ``error`` on every rank naming
+    the first that differs and each rank's value (or ``explain(who, every rank's values)``)."""
     digest = np.frombuffer(hashlib.sha256(repr(values).encode()).digest(), np.uint8)
     if (allgather(backend, digest).reshape(backend.size, -1) == digest).all():
         return
-    everyone = _allgather_object(backend, values)
+    everyone = _objects(backend, values)
     if explain is not None:
-        raise error(explain(everyone))
+        raise error(explain(who, everyone))
     name = next(name for name in values if len({repr(theirs[name]) for theirs in everyone}) > 1)
     differ = [r for r, theirs in enumerate(everyone) if repr(theirs[name]) != repr(everyone[0][name])]
     shown = ", ".join(f"rank {r}: {theirs[name]!r}" for r, theirs in enumerate(everyone))
     raise error(f"{who}: every rank needs the same {name}; ranks {differ} differ from rank 0 ({shown})")
 
 
-# --- arguments -------------------------------------------------------------------------
-
-
-def _as_mx(x):
-    """``x`` as an mx.array, and the function that gives a result back as ``x``'s kind."""
-    check_travels(x)
-    if isinstance(x, np.ndarray):
-        return to_mx(x), to_numpy
-    return x, lambda r: r
-
-
-def _as_numpy(x):
-    """A numpy array or number as a numpy array, and the function that gives a result back as ``x``'s kind."""
+def _as_array(x):
+    """``x`` as an array (a number: numpy's), and the function that gives a result back as ``x``'s kind."""
+    if isinstance(x, mx.array):
+        return x, lambda r: r
     if isinstance(x, np.ndarray):
         return check_travels(x), to_numpy
     if not isinstance(x, (bool, int, float, complex, np.generic)):
@@ -321,6 +273,10 @@ def _as_numpy(x):
     return check_travels(arr), lambda r: type(x)(to_numpy(r).item())
 
 
+def _mx(arr):
+    return to_mx(arr) if isinstance(arr, np.ndarray) else arr
+
+
 def check_backend(backend) -> AbstractBackend:
     if not isinstance(backend, AbstractBackend):
         is_class = isinstance(backend, type) and issubclass(backend, AbstractBackend)
@@ -330,8 +286,7 @@ def check_backend(backend) -> AbstractBackend:
 
 
 def check_count(value, least: int, what: str, most=None) -> int:
-    """``value``, an int >= ``least`` (and <= ``most``): else a TypeError (not an int) or ValueError
-    naming ``what``."""
+    """``value``, an int >= ``least`` (<= ``most``); else a TypeError (not an int) or ValueError."""
     an_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
     if not (an_int and least <= value <= (value if most is None else most)):
         kind = f">= {least}" if most is None else f"in [{least}, {most}]"
@@ -345,18 +300,17 @@ def check_root(backend, root):
         raise ValueError(f"root={root!r} is not a rank of this job (0 .. {size - 1})")
 
 
-def _op_name(op) -> str:
+def _checked_op(op, dtype) -> str:
+    """``op``'s name, once it is known and defined for ``dtype``."""
     try:
-        return _OPS[op]
+        op = _OPS[op]
     except (KeyError, TypeError):
         raise ValueError(
             f"unknown reduction op {op!r}: use 'sum', 'avg' (du.avg), 'max', 'min', 'prod', "
             "or operator.add, max, min, operator.mul"
         ) from None
-
-
-def _check_op_dtype(op, dtype):
     if op == "avg" and not is_floating(dtype):
         raise TypeError(f"op 'avg' needs a floating or complex dtype, got {dtype}; use 'sum'")
     if op in ("max", "min") and is_floating(dtype) and "complex" in str(dtype):  # (mx or numpy dtype)
         raise TypeError(f"op {op!r} is not defined for complex numbers ({dtype})")
+    return op

@@ -32,24 +32,20 @@ class DistributedDataContainer:
         self.world_size = total_workers(backend)
         self.data = data
         self.epoch = 0
-        # this epoch's batches() so far: (world size, batch size, batches)
-        self._part = (self.world_size, None, 0)
+        self._part = (self.world_size, None, 0)  # this epoch's batches(): world size, batch size, count
         self._before = []  # the parts of this epoch run before a restart at another world size or batch size
         self._resume = None  # load_state_dict's state, for the next batches()
         self._auto_sizes = None  # the batch sizes share="auto" last agreed on
-        # columns: None unless a tuple or dict; a length that differs by rank would give unequal steps
         self._columns, self._n = _columns_and_length(data, self._label)
         check_same(backend, self._label, {"data (the whole data set), of length": self._n})
         self.indices = range(*partition.shard_bounds(self._n, self.world_size, self.rank))
         if collate is not None and not callable(collate):
             raise TypeError(f"{self._label}: collate must be a function from a list of items to a batch")
         self.collate = collate
-        self._lengths = self._length_function(lengths)
+        self._lengths = None if lengths is None else self._length_function(lengths)
 
     def _length_function(self, lengths):
         """``lengths`` as a function from global indices to lengths (memoized for a function of an item)."""
-        if lengths is None:
-            return None
         if callable(lengths):
             of_item = functools.cache(lambda i: lengths(self._item(i)))
             return lambda indices: [of_item(i) for i in indices.tolist()]
@@ -89,18 +85,11 @@ class DistributedDataContainer:
         return partition.batch_count(self._n, self.world_size, batch_size, drop_last)
 
     def state_dict(self) -> dict:
-        """Where the job is in the data (the same on every rank), for ``save_checkpoint(data=)``:
-        the epoch, and the batches of it handed out, with their world size and batch size."""
+        """Where the job is in the data (the same on every rank), for ``save_checkpoint(data=)``."""
         if self._resume is not None:  # loaded, and not yet resumed by batches()
             return {"before": [], "batch_size": None, **self._resume}
-        world_size, batch_size, batches = self._part
-        return {
-            "epoch": self.epoch,
-            "batches": batches,
-            "world_size": world_size,
-            "batch_size": batch_size,
-            "before": [list(part) for part in self._before],
-        }
+        part = dict(zip(("world_size", "batch_size", "batches"), self._part))
+        return {"epoch": self.epoch, **part, "before": [list(p) for p in self._before]}
 
     def load_state_dict(self, state: dict):
         """Resume from ``state_dict()``: the next ``batches()`` of the saved epoch (given no
@@ -120,9 +109,7 @@ class DistributedDataContainer:
         state, self._resume = self._resume, None
         if state is None or state["epoch"] != epoch:
             return [], 0
-        before = [
-            (int(w), b if isinstance(b, list) else int(b), int(k)) for w, b, k in state.get("before", [])
-        ]
+        before = [tuple(part) for part in state.get("before", [])]
         world_size, saved_batch, batches = state["world_size"], state.get("batch_size"), state["batches"]
         if batches == 0 or (saved_batch in (None, batch_size) and world_size == self.world_size):
             return before, batches
@@ -205,8 +192,7 @@ class DistributedDataContainer:
         return self._counted(how, before, batch_size, start, batches, auto)
 
     def _agreed_sizes(self, batch_size, share) -> list:
-        """Collective: every rank's batch size for ``share`` (a number; "auto": the sizes last
-        measured, else those saved, else equal)."""
+        """Collective: each rank's batch size for ``share`` ("auto": the last measured, saved, or equal)."""
         if share == "auto":
             saved, total = (self._resume or {}).get("batch_size"), batch_size * self.world_size
             for sizes in (self._auto_sizes, saved, [batch_size] * self.world_size):
@@ -246,8 +232,7 @@ class DistributedDataContainer:
         return self._auto_sizes
 
     def _counted(self, how, before, batch_size, start, batches, auto=False):
-        """``batches``, keeping ``state_dict`` up to date; ``auto``: re-split the rest of the epoch
-        (``how``) once the ranks' speeds are measured."""
+        """``batches``, keeping ``state_dict`` current; ``auto``: the rest re-split once speeds are known."""
         epoch = how["epoch"]
         self.epoch, self._before, self._part = epoch, before, (self.world_size, batch_size, start)
         clock = []  # (seconds, seconds in collectives) at each hand-out
@@ -282,8 +267,7 @@ class DistributedDataContainer:
 
 
 def _columns_and_length(data, where):
-    """``(columns, n)``: ``data`` when it is a tuple or dict of columns (else None), and the
-    number of items; errors for empty, unindexable or mismatched data."""
+    """``(columns, n)``: ``data``'s fields if a tuple or dict (else None), and its length, checked."""
     columns = data if isinstance(data, (tuple, dict)) else None
     if columns is not None:
         if not data:
@@ -340,8 +324,7 @@ def _take(field, idx):
 
 
 def _stack(values: list):
-    """A list of items as one batch: tuples and dicts per field, numbers and arrays as an
-    mx.array, anything else (strings, objects, ragged rows) as the list itself."""
+    """Items as one batch: per field (tuples, dicts), an mx.array (numbers, arrays), else the list itself."""
     first = values[0]
     if isinstance(first, tuple):
         return tuple(_stack(list(col)) for col in zip(*values))

@@ -3,8 +3,7 @@ parallelism for slow links. Each rank takes ``sync_every`` (H) steps of its inne
 alone; then the ranks average the pseudo-gradient (global minus local parameters), and an
 outer optimizer takes one step on the global parameters, from which every rank continues.
 With ``fragments=F``, F runs of whole arrays of about equal bytes sync in turn, H/F steps
-apart: each sync moves 1/F of the bytes. Local SGD is ``outer_optimizer=optim.SGD(1.0)``.
-"""
+apart: each sync moves 1/F of the bytes. Local SGD is ``outer_optimizer=optim.SGD(1.0)``."""
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -19,12 +18,10 @@ from .tree import floating_leaves
 
 
 class DiLoCo(OptimizerState, optim.Optimizer):
-    """Wraps ``inner_optimizer`` (any ``mlx.optimizers.Optimizer``, local to each rank) so that
-    every ``sync_every`` steps the ranks agree on the parameters through ``outer_optimizer``.
-
-    Collective like ``DistributedOptimizer``, but a step that syncs no fragment makes no
-    collective; after a sync the fragment's parameters are bit for bit the same on every rank.
-    The first update checks that the ranks start from the same parameters and settings.
+    """The module's algorithm around ``inner_optimizer`` (a plain ``mlx.optimizers`` optimizer, each
+    rank's). Collective like ``DistributedOptimizer``, but a step that syncs no fragment makes none;
+    after a sync the fragment's parameters are bit for bit the same on every rank. The first update
+    checks that the ranks start from the same parameters and settings.
 
     Args:
         outer_optimizer: default ``optim.SGD(0.7, momentum=0.9, nesterov=True)``; its state is
@@ -36,8 +33,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         fragment_update_alpha: after a sync a rank's fragment is ``global + alpha * (local - global)``.
 
     ``update(model, grads, weight=w)`` weights the outer average by each rank's weights since
-    the fragment's last sync (pass it on every step or none).
-    """
+    the fragment's last sync (pass it on every step or none)."""
 
     def __init__(
         self,
@@ -57,9 +53,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         if outer_optimizer is not None:
             check_plain(outer_optimizer, "DiLoCo", "outer_optimizer")
         check_count(sync_every, 1, "DiLoCo: sync_every")
-        check_count(
-            fragments, 1, "DiLoCo: fragments (each syncs once every sync_every steps, at its own)", sync_every
-        )
+        each = "DiLoCo: fragments (each syncs once every sync_every steps, at its own)"
+        check_count(fragments, 1, each, sync_every)
         steps = sync_every // fragments  # between two fragments' syncs
         delay = f"DiLoCo: fragment_sync_delay (less than sync_every // fragments = {steps})"
         check_count(fragment_sync_delay, 0, delay, steps - 1)
@@ -76,13 +71,10 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         self._weights = None  # per fragment: this rank's weight since its last sync (None: unweighted)
         self._local = {}  # {flat key: this rank's latest local parameters}
 
-    # --- the state -----------------------------------------------------------------------
-
     @property
     def state(self) -> dict:
         """This rank's inner and outer states and step count, and once initialized the global parameters."""
-        state = {"inner": self.inner_optimizer.state, "outer": self.outer_optimizer.state}
-        state["steps"] = mx.array(self._steps, mx.int64)
+        state = {"inner": self.inner_optimizer.state, "outer": self.outer_optimizer.state, "steps": self.step}
         return state if self._global is None else {**state, "global": self._global}
 
     @state.setter
@@ -110,11 +102,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
     def initialized(self) -> bool:
         return self._global is not None
 
-    def shared_state(self) -> dict:
-        return self.state
-
-    def set_shared_state(self, state: dict):
-        self.state = state
+    shared_state = state.fget  # (synchronize sends root's whole state)
+    set_shared_state = state.fset
 
     def init(self, parameters):
         """Local: start from ``parameters`` (those with gradients); the first ``update`` calls it."""
@@ -124,8 +113,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
                 f"DiLoCo: fragments={self.fragments} but the model has only {len(leaves)} "
                 "parameter arrays; a fragment is at least one array"
             )
-        self._global = dict(leaves)  # (no copy: MLX arrays do not change; the local ones become new arrays)
-        self._local = dict(leaves)
+        self._global, self._local = dict(leaves), dict(leaves)  # (no copy: MLX arrays do not change)
         self._fragment_keys = _fragments(leaves, self.fragments)
         self.inner_optimizer.init(parameters)
         self.outer_optimizer.init(self._global)
@@ -136,9 +124,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         and every rank's local parameters, inner state and weights, stacked in rank order."""
         if self._global is None:
             return self.state
-        started = {}  # the average of a fragment in flight (fragment_sync_delay), waited for now
-        for pending in self._started.values():
-            started.update(pending.wait())
+        # the averages of the fragments in flight (fragment_sync_delay), waited for now
+        started = {k: a for pending in self._started.values() for k, a in pending.wait().items()}
         weights = mx.zeros((0,)) if self._weights is None else mx.stack(self._weights)
         mine = {"inner": self.inner_optimizer.state, "local": self._local, "weights": weights}
         ranks = tree_map(lambda a: allgather(self.backend, a[None]), mine)
@@ -156,25 +143,17 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         self._weights = [w for w in ranks["weights"][row]] if ranks["weights"].shape[1] else None
         self._local = {k: v[row] for k, v in tree_flatten(ranks["local"])}
         started = dict(tree_flatten(state.get("started", {})))
-        self._started = {
-            f: Pending({k: started[k] for k in keys})
-            for f, keys in enumerate(self._fragment_keys)
-            if keys[0] in started
-        }
+        in_flight = [(f, keys) for f, keys in enumerate(self._fragment_keys) if keys[0] in started]
+        self._started = {f: Pending({k: started[k] for k in keys}) for f, keys in in_flight}
         if model is not None:
             model.update(tree_unflatten(list(self._local.items())))
 
-    # --- the steps -----------------------------------------------------------------------
-
     def update(self, model, gradients, weight=None):
         """An inner step on ``model``; then the syncs due at this step (collective)."""
-        model.update(self._step(gradients, model, weight))
+        model.update(self.apply_gradients(gradients, model, weight))
 
     def apply_gradients(self, gradients, parameters, weight=None):
         """The updated ``parameters`` at the keys of ``gradients``: ``update``'s steps."""
-        return self._step(gradients, parameters, weight)
-
-    def _step(self, gradients, parameters, weight):
         if self._global is None:
             fsdp.check_mlx_sharding(self.backend, parameters, "DiLoCo")
             if fsdp.any_alive():  # (its parameters are reduced in the backward pass, each step)
@@ -215,8 +194,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
             self._weights[f] = mx.array(0.0)
 
     def _sync(self, f, local) -> dict:
-        """Collective: this rank's parameters of fragment ``f`` after its outer step (the new global
-        ones, or mixed with its own: ``fragment_update_alpha``)."""
+        """Collective: fragment ``f``'s parameters after its outer step (global, or mixed: ``alpha``)."""
         averaged = self._started.pop(f).wait()
         updated = self.outer_optimizer.apply_gradients(averaged, {k: self._global[k] for k in averaged})
         mx.eval(updated, self.outer_optimizer.state)
@@ -230,10 +208,8 @@ def _fragments(leaves, count) -> list:
     for i, (key, a) in enumerate(leaves):
         run.append(key)
         filled += a.nbytes
-        left = len(leaves) - i - 1  # every later run needs an array
-        if len(out) < count - 1 and (
-            filled >= total * (len(out) + 1) / count or left == count - 1 - len(out)
-        ):
+        need = count - 1 - len(out)  # runs still to close (each later run needs an array)
+        if need > 0 and (filled >= total * (len(out) + 1) / count or len(leaves) - i - 1 == need):
             out.append(run)
             run = []
     return out + [run]

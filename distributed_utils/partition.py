@@ -70,9 +70,8 @@ def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed
 
 
 def group_by_length(order, lengths, batch_size, real=None):
-    """``order`` with each run of ``LENGTH_GROUP_BATCHES`` batches stably sorted by
-    ``lengths(indices)``, longest first: less padding, and the runs keep the epoch's order.
-    With ``real`` (``exactly_once_indices``) only the real items are grouped."""
+    """``order`` with each run of ``LENGTH_GROUP_BATCHES`` batches stably sorted by ``lengths(indices)``,
+    longest first (less padding; the runs keep the epoch's order); with ``real``, the real items alone."""
     out = np.array(order)
     count = len(out) if real is None else int(real.sum())
     run = LENGTH_GROUP_BATCHES * batch_size
@@ -83,9 +82,8 @@ def group_by_length(order, lengths, batch_size, real=None):
 
 
 def _remaining_order(n, shuffle, seed, epoch, done) -> np.ndarray:
-    """The epoch's order (``range(n)``, or with ``shuffle`` the permutation from
-    ``np.random.default_rng((seed, epoch))``) less the items the ``done`` parts visited, each part
-    run on what the parts before it left."""
+    """The epoch's order (``shuffle``: ``np.random.default_rng((seed, epoch))``'s permutation) less the
+    items the ``done`` parts visited, each part run on what the parts before it left."""
     order = np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
     for world_size, batch_size, batches in done:
         visited = np.zeros(len(order), bool)

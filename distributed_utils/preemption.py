@@ -13,23 +13,18 @@ from .backends.contract import say_record
 from .collectives import allreduce
 
 _received = []  # the signals this process received since the first preempted()
-_handling = False  # whether preempted() has made SIGTERM and SIGUSR1 call _mark
 _told = False  # whether du-launch was told (once)
-
-
-def _mark(signum, frame):
-    _received.append(signum)
+_mark = lambda signum, frame: _received.append(signum)  # noqa: E731
 
 
 def preempted(backend) -> bool:
     """Collective (one 1-byte allreduce): True on every rank once any rank has received SIGTERM
     or SIGUSR1 since its first call. At the same step on every rank: ``if du.preempted(backend):``
     save one checkpoint and return."""
-    global _handling, _told
-    if not _handling:  # (signals are set from the main thread only)
+    global _told
+    if signal.getsignal(signal.SIGUSR1) is not _mark:  # (signals are set from the main thread only)
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, _mark)
-        _handling = True
     if not allreduce(backend, np.uint8(bool(_received)), "max"):  # (bools cost two casts more)
         return False
     if not _told:

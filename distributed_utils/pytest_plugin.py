@@ -37,9 +37,8 @@ def pytest_configure(config):
 def pytest_report_header(config):
     seed = getattr(config.option, "hypothesis_seed", None)
     if _in_job() and seed is not None:
-        return (
-            f"rank {contract.launched_rank()}: hypothesis seed {seed} (DU_HYPOTHESIS_SEED={seed} repeats it)"
-        )
+        rank = contract.launched_rank()
+        return f"rank {rank}: hypothesis seed {seed} (DU_HYPOTHESIS_SEED={seed} repeats it)"
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,6 +1,5 @@
-"""The one reduction of floating arrays: ``Reduction.reduce(tree) -> Pending``, which every
-reduction of gradients in the library goes through (``reduce_gradients``, ``DistributedOptimizer``,
-its sharded state, ``DiLoCo``), as an all-reduce or a reduce-scatter.
+"""The one reduction of floating arrays, ``Reduction.reduce(tree) -> Pending``, that every reduction of
+gradients in the library goes through, as an all-reduce or a reduce-scatter.
 
 Decided here, once, from the op, the world size N, the weights and the compression: each
 floating leaf g of rank r travels as
@@ -15,8 +14,7 @@ floating leaf g of rank r travels as
     unit     1; int8: (max over the ranks of |g| * share_r) / (127 // N), from one allgather
 
 Unweighted and uncompressed, nothing is computed before the sum: the transport sums the leaves
-as they are (MPI in their own memory) and multiplies by share * scale.
-"""
+as they are (MPI in their own memory) and multiplies by share * scale."""
 
 import functools
 
@@ -25,8 +23,7 @@ import numpy as np
 
 from .arrays import NARROW_FLOATS, evaluate
 from .collectives import allgather, allreduce_arrays, average_factor, finish, reduce_scatter_sum, start_sum
-from .tree import buckets, describe, floating_leaves, pack, replace_arrays, unpack
-from .tree import verify_same_structure
+from .tree import buckets, describe, floating_leaves, pack, replace_arrays, unpack, verify_same_structure
 
 
 def reduce_gradients(
@@ -38,17 +35,14 @@ def reduce_gradients(
     - ``op``: "avg" (N ranks at batch B step like one process at batch N*B) or "sum", times ``scale``.
     - ``weight``: this rank's weight (a number >= 0 or 0-d mx.array: its tokens, say): the result
       is ``sum_r w_r g_r / sum_r w_r`` (zeros if every weight is 0), as one process on the union.
-    - ``compression``: ``mx.bfloat16``/``mx.float16`` (or their names), or ``"int8"``: ``127 // N``
-      levels a side of a per-array unit (for DiLoCo's pseudo-gradients).
-    - ``bucket_bytes``: arrays smaller than this travel packed by dtype, this many bytes a
-      collective (0: each alone; default the backend's ``bucket_bytes``); larger ones travel
-      alone, as they are.
+    - ``compression``: ``mx.bfloat16``/``mx.float16`` (or their names), or ``"int8"`` (the table's unit).
+    - ``bucket_bytes``: smaller arrays travel packed by dtype, this many bytes a collective (0: each
+      alone; default the backend's ``bucket_bytes``); larger ones alone, as they are.
     - ``verify``: first check, in one 32-byte allgather, that every rank passes the same tree
       and weighting (not while MLX traces), else ``TreeMismatchError`` on every rank.
 
     On MPIBackend, arrays that can be (evaluated, contiguous, not sharing memory) are reduced
-    in their own memory and hold the result. In a world of one they come back as they are.
-    """
+    in their own memory and hold the result. In a world of one they come back as they are."""
     reduction = Reduction(backend, op, compression, bucket_bytes)
     return reduction.reduce(gradients, scale=scale, weight=weight, verify=verify).wait()
 
@@ -69,14 +63,13 @@ class Reduction:
         return dict(op=self.op, compression=self.compression, bucket_bytes=self.bucket_bytes)
 
     def reduce(self, tree, *, scale=1.0, weight=None, start=False, scatter=False, verify=True, what=None):
-        """Collective: ``tree``'s floating mx.arrays reduced (the result: ``Pending.wait()``).
-        ``weight``: this rank's, for the weighted mean; ``start``: the sums travel while this rank
-        computes (MLX backends) until ``wait()``; ``scatter``: the leaves are 1-d, of lengths that
-        N divides, and each comes back as this rank's part of the result (a reduce-scatter)."""
+        """Collective: ``tree``'s floating mx.arrays reduced (``Pending.wait()`` gives them). ``weight``: this
+        rank's; ``start``: the sums travel while this rank computes (MLX backends); ``scatter``: 1-d leaves of
+        lengths N divides, each back as this rank's part (a reduce-scatter)."""
         what, weight = what or "reduce_gradients(grads)", None if weight is None else as_weight(weight)
         arrays = [g for _, g in self.check(tree, weight, what, verify, scale)]
         if self.backend.size == 1 and weight is None:  # (a reduce-scatter's one part is the whole)
-            return Pending(tree, [g if scale == 1.0 else g * scale for g in arrays])
+            return Pending(replace_arrays(tree, [g if scale == 1.0 else g * scale for g in arrays]))
         if weight is not None:
             share = self._share(weight, what)
         else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards: no sum can overflow
@@ -87,7 +80,7 @@ class Reduction:
             sent, units, transport_scale = arrays, None, share * scale
         else:
             units = self._units(arrays, share)
-            sent = [_scaled(g, share / unit, self._wire(g, weight)) for g, unit in zip(arrays, units)]
+            sent = [_scaled(g, share / unit, self._wire(g)) for g, unit in zip(arrays, units)]
             transport_scale = 1.0
         groups = [[i] for i in range(len(sent))] if scatter else buckets(sent, self.bucket_bytes)
         packed = [pack(sent, group) for group in groups]
@@ -97,12 +90,18 @@ class Reduction:
             sums = start_sum(self.backend, packed, transport_scale)
         else:  # in place: the packer's copies, or the caller's own arrays (as documented)
             sums = allreduce_arrays(self.backend, packed, "sum", transport_scale, in_place=True)
-        return Pending(tree, arrays, sums, groups, sent, units, scale, scatter)
+
+        def reduced():  # (a reduce-scatter's groups are its arrays, in order)
+            out = finish(sums) if scatter else unpack(finish(sums), sent, groups)
+            if units is not None:
+                out = [_scaled(piece, unit * scale, g.dtype) for piece, unit, g in zip(out, units, arrays)]
+            return replace_arrays(tree, out)
+
+        return Pending(finish=reduced)
 
     def check(self, tree, weight, what, verify=True, scale=1.0) -> list:
-        """Collective: ``[(key, array)]``, the (floating, else TypeError) mx.arrays of ``tree``, once
-        every rank passes the same tree, weighted alike, reduced alike (else ``TreeMismatchError``;
-        ``verify``: in the 32-byte digest, at no cost of its own)."""
+        """Collective: ``[(key, array)]``, the (floating, else TypeError) mx.arrays of ``tree``, once every
+        rank passes the same tree, weighted and reduced alike (``verify``; else ``TreeMismatchError``)."""
         if weight is not None and self.op != "avg":
             raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {self.op!r}")
         if verify and self.backend.size > 1 and evaluate(tree):  # (not while MLX traces)
@@ -112,8 +111,8 @@ class Reduction:
         return floating_leaves(tree, what)  # after the check: the same error on every rank
 
     def _share(self, weight, what):
-        """This rank's weight over the sum of every rank's (0 when every weight is 0), from one
-        allgather of the weights, checked: negative or not finite is a ValueError on every rank."""
+        """This rank's weight over the sum of every rank's (0 if all are 0), from one allgather; a weight
+        negative or not finite is a ValueError on every rank."""
         weights = allgather(self.backend, weight.reshape(1))
         if evaluate(weights):  # (not while MLX traces)
             bad = [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]
@@ -125,45 +124,31 @@ class Reduction:
         return weight * inverse(weights.sum())
 
     def _units(self, arrays, share):
-        """Per array, what one unit on the wire is worth: 1, or int8's (one allgather of every
-        rank's largest magnitude times its share)."""
+        """Per array, the worth of one unit on the wire: 1, or int8's (from one allgather)."""
         if self.compression != "int8":
             return [1.0] * len(arrays)
         local = [mx.max(mx.abs(g)).astype(mx.float32) * share if g.size else mx.array(0.0) for g in arrays]
         steps = mx.max(allgather(self.backend, mx.stack(local)[None]), axis=0) / (127 // self.backend.size)
         return [mx.where(s > 0, s, 1.0) for s in steps]  # an array of zeros: any unit
 
-    def _wire(self, g, weight):
-        """The dtype ``g`` travels in."""
+    def _wire(self, g):
+        """The dtype ``g`` travels in when not as it is (weighted, or compressed)."""
         narrow = g.dtype in NARROW_FLOATS
-        if self.compression is None:
-            return mx.float32 if narrow and weight is not None else g.dtype
+        if self.compression is None:  # (weighted)
+            return mx.float32 if narrow else g.dtype
         return g.dtype if narrow and self.compression != "int8" else self.compression
 
 
 class Pending:
-    """A reduction begun by ``Reduction.reduce``; ``wait()`` gives its tree (and then again)."""
+    """A reduction begun by ``Reduction.reduce``: its tree (``result``), or ``finish()`` gives it."""
 
-    def __init__(
-        self, tree, arrays=None, sums=None, groups=None, sent=None, units=None, scale=1.0, scatter=False
-    ):
-        """Of a tree done already: ``Pending(tree)``, or ``(tree, its new arrays)``."""
-        self.tree, self.arrays, self.sums, self.groups = tree, arrays, sums, groups
-        self.sent, self.units, self.scale, self.scatter = sent, units, scale, scatter
-        self.result = tree if arrays is None else replace_arrays(tree, arrays) if sums is None else None
+    def __init__(self, result=None, finish=None):
+        self.result, self.finish = result, finish
 
     def wait(self):
         """Collective (the first time, if started): the reduced tree."""
-        if self.result is None:
-            out = [None] * len(self.arrays)
-            for group, total in zip(self.groups, finish(self.sums)):
-                pieces = [total] if self.scatter else unpack(total, self.sent, group)
-                for i, piece in zip(group, pieces):
-                    unit = None if self.units is None else self.units[i]
-                    out[i] = (
-                        piece if unit is None else _scaled(piece, unit * self.scale, self.arrays[i].dtype)
-                    )
-            self.result = replace_arrays(self.tree, out)
+        if self.finish is not None:
+            self.result, self.finish = self.finish(), None
         return self.result
 
 

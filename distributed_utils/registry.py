@@ -11,10 +11,9 @@ _BACKENDS = {}
 
 
 def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> AbstractBackend:
-    """Collective: start ``backend_type`` (``du.MPIBackend``, say; by default the one the
-    launcher started, else a world of one) once; later calls return it. ``timeout``: seconds
-    after which an unfinished collective ends the job (default ``DU_TIMEOUT``, else 300; 0:
-    never); ``debug``: check each collective across ranks first (default ``DU_DEBUG``)."""
+    """Collective: start ``backend_type`` (``du.MPIBackend``, say; by default the one the launcher
+    started, else a world of one) once; later calls return it. ``timeout`` (seconds; 0: never) and
+    ``debug`` (check each collective across ranks first) set the watchdog's (``DU_TIMEOUT``, ``DU_DEBUG``)."""
     if backend_type is None:
         name = contract.launched_backend_name()
         if name is not None and name not in BY_LAUNCH_NAME:
@@ -36,8 +35,9 @@ def _handshake(backend):
     """Learn ``node_rank``; check that every rank is of this job (two jobs on one port cross-connect)."""
     expected = contract.expected_world_size()
     if expected is not None and expected != backend.size:
+        launcher = "du-launch" if contract.job_id() else "mpirun"
         raise contract.BackendUnavailableError(
-            f"{type(backend).__name__}: {contract.launcher_name()} started {expected} processes but this backend "
+            f"{type(backend).__name__}: {launcher} started {expected} processes but this backend "
             f"sees a world of {backend.size}; launch it with `du-launch --backend {backend.launch_name}`, or "
             f"initialize the backend this job was started for (du.initialize() with no argument: "
             f"{contract.launched_backend_name()})"

@@ -4,38 +4,32 @@ checkpoints use. The library's optimizers (``DistributedOptimizer``, ``DiLoCo``)
 
 A state is a tree of **scalars** (``step``, ``learning_rate``: the entries that are not dicts or
 lists) and **per-parameter entries**, each at its parameter's key: ``at_key(state,
-"layers.0.weight") == {"m": ..., "v": ...}``.
-"""
+"layers.0.weight") == {"m": ..., "v": ...}``."""
 
 from mlx.optimizers import MultiOptimizer, Optimizer
 
 
 class OptimizerState:
-    """What ``synchronize`` and checkpoints ask of an optimizer."""
+    """What ``synchronize`` and checkpoints ask of an optimizer: every method, each subclass defines."""
 
     def rule_name(self) -> str:
         """The update rule's class name, which a checkpoint records and checks at load."""
-        raise NotImplementedError
 
     def initialized(self) -> bool:
         """Whether the state holds its per-parameter entries (after ``init`` or an update)."""
-        raise NotImplementedError
 
     def shared_state(self) -> dict:
         """The part of the state that every rank holds alike (``synchronize`` sends root's)."""
-        raise NotImplementedError
 
     def set_shared_state(self, state: dict):
-        raise NotImplementedError
+        """Set ``shared_state()``'s part."""
 
     def whole_state(self) -> dict:
         """Collective: the whole state, the same on every rank, as a checkpoint holds it (it loads
         at any world size); before the first update too."""
-        raise NotImplementedError
 
     def load_whole_state(self, state: dict, model=None):
         """Set the state from ``whole_state()``'s form (``model``: for wrappers that set parameters)."""
-        raise NotImplementedError
 
 
 class Plain(OptimizerState):
@@ -87,8 +81,7 @@ def at_key(tree, key: str):
 
 
 def check_plain(optimizer, who: str, name: str = "the optimizer"):
-    """TypeError unless ``optimizer`` is a plain ``mlx.optimizers`` optimizer: one of this library's
-    would reduce again what its wrapper reduced."""
+    """TypeError unless ``optimizer`` is a plain ``mlx.optimizers`` one (one of ours would reduce twice)."""
     if isinstance(optimizer, OptimizerState):
         raise TypeError(
             f"{who}: {name} is already distributed ({type(optimizer).__name__}); pass the plain "

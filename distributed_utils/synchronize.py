@@ -32,8 +32,7 @@ def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
     place (``model=``: initialized from the model first; a sharded ``DistributedOptimizer``
     keeps its own slices). Every rank holds arrays at the same keys, shapes and dtypes, else
     ``TreeMismatchError`` on every rank. Arrays travel as bits in ``BROADCAST_BUCKET_BYTES``
-    buckets, the rest in one pickle.
-    """
+    buckets, the rest in one pickle."""
     check_root(backend, root)
     what = f"du.synchronize({type(x).__name__})"
     if isinstance(x, Optimizer):
@@ -43,9 +42,8 @@ def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
     if isinstance(x, Module):
         fsdp.check_mlx_sharding(backend, x, what)
         params = x.trainable_parameters() if trainable_only else x.parameters()
-        shards = fsdp.sharded(x)  # (each rank keeps its own)
-        params = _synchronize_tree(backend, _without(params, shards), root, what)
-        return x if backend.rank == root else x.update(_with(params, x.parameters(), shards))
+        params = _synchronize_unsharded(backend, params, fsdp.sharded(x), root, what)
+        return x if backend.rank == root else x.update(params)
     if trainable_only:
         raise TypeError(f"{what}: trainable_only= is only for an nn.Module")
     return _synchronize_tree(backend, x, root, what)
@@ -59,9 +57,8 @@ def _synchronize_optimizer(backend, opt, root, model, what):
         raise ValueError(
             f"{what}: pass model=: the state of a fully sharded model's shards stays on each rank"
         )
-    shards = fsdp.sharded(model)
     try:
-        shared = _synchronize_tree(backend, _without(state.shared_state(), shards), root, what)
+        shared = _synchronize_unsharded(backend, state.shared_state(), fsdp.sharded(model), root, what)
     except TreeMismatchError as e:
         hint = "an optimizer not yet updated needs opt.init(model.trainable_parameters()) or model=model"
         raise TreeMismatchError(f"{e}; {hint}") from None
@@ -71,23 +68,17 @@ def _synchronize_optimizer(backend, opt, root, model, what):
             "first, or pass model=model"
         )
     if backend.rank != root:
-        state.set_shared_state(_with(shared, state.shared_state(), shards))
+        state.set_shared_state(shared)
     return opt
 
 
-def _without(tree, shards):
-    """``tree`` without the entries at the keys of ``shards`` (``fsdp.sharded``): a flat dict."""
+def _synchronize_unsharded(backend, tree, shards, root, what):
+    """``_synchronize_tree``, but at the keys of ``shards`` (``fsdp.sharded``) each rank keeps its own."""
     if not shards:
-        return tree
-    return {k: v for k, v in tree_flatten(tree) if fsdp.param_key(k, shards) is None}
-
-
-def _with(synchronized, tree, shards):
-    """``_without``'s inverse: ``synchronized``, and ``tree``'s entries at the keys of ``shards``."""
-    if not shards:
-        return synchronized
+        return _synchronize_tree(backend, tree, root, what)
     own = [(k, v) for k, v in tree_flatten(tree) if fsdp.param_key(k, shards) is not None]
-    return tree_unflatten(list(synchronized.items()) + own)
+    shared = {k: v for k, v in tree_flatten(tree) if fsdp.param_key(k, shards) is None}
+    return tree_unflatten(list(_synchronize_tree(backend, shared, root, what).items()) + own)
 
 
 def _synchronize_tree(backend, tree, root, what):
@@ -97,16 +88,12 @@ def _synchronize_tree(backend, tree, root, what):
     verify_same_structure(backend, [(k, s) for k, s in describe(tree) if isinstance(s, tuple)], what)
     skeleton = root_runs(backend, lambda: _map(_stand_in, tree), root, TypeError, f"send {what}")
     arrays = [leaf for _, leaf in tree_flatten(tree) if _travels_as_bits(leaf)]
-    # Root sends its arrays' bits; the others receive into zeros of the same widths and sizes.
     sent = [
         bits(a) if backend.rank == root else mx.zeros((a.nbytes // width(a),), UINT_BY_SIZE[width(a)])
         for a in arrays
     ]
-    received = [None] * len(arrays)
-    for bucket in buckets(sent, BROADCAST_BUCKET_BYTES):  # bcast evaluates: one bucket at a time
-        flat = bcast(backend, pack(sent, bucket), root)
-        for i, piece in zip(bucket, unpack(flat, sent, bucket)):
-            received[i] = piece
+    groups = buckets(sent, BROADCAST_BUCKET_BYTES)  # (bcast evaluates: one bucket at a time)
+    received = unpack([bcast(backend, pack(sent, group), root) for group in groups], sent, groups)
     if backend.rank == root:
         return tree
     pieces = iter(zip(arrays, received))  # in the order of root's arrays too: the structures matched

@@ -33,24 +33,18 @@ def replace_arrays(tree, arrays):
     return tree_map(lambda v: next(it) if isinstance(v, mx.array) else v, tree)
 
 
-# --- the packer ------------------------------------------------------------------------
-
-
 def buckets(arrays, limit: int) -> list:
     """The indices of ``arrays`` grouped for packing: arrays of one dtype in order, up to ``limit``
     bytes a bucket; an array of ``limit`` bytes or more travels alone (0: every array)."""
     groups, filling = [], {}  # filling: the bucket being filled, and its bytes, by dtype
     for i, a in enumerate(arrays):
-        bucket, nbytes = filling.get(a.dtype, (None, 0))
-        if a.nbytes >= limit:
-            groups.append([i])
-            filling.pop(a.dtype, None)
-            continue
-        if bucket is None or nbytes + a.nbytes > limit:
+        bucket, nbytes = filling.pop(a.dtype, (None, 0))
+        if bucket is None or nbytes + a.nbytes > limit or a.nbytes >= limit:
             bucket, nbytes = [], 0
             groups.append(bucket)
         bucket.append(i)
-        filling[a.dtype] = (bucket, nbytes + a.nbytes)
+        if a.nbytes < limit:  # (else it travels alone: the next of its dtype starts a bucket)
+            filling[a.dtype] = (bucket, nbytes + a.nbytes)
     return groups
 
 
@@ -61,15 +55,15 @@ def pack(arrays, bucket) -> mx.array:
     return mx.concatenate([arrays[i].reshape(-1) for i in bucket])
 
 
-def unpack(flat, arrays, bucket) -> list:
-    """``pack``'s inverse: ``flat`` cut into arrays shaped like ``arrays`` at ``bucket``."""
-    if len(bucket) == 1:  # the array itself (it may have been reduced in its own memory)
-        return [flat if flat.shape == arrays[bucket[0]].shape else flat.reshape(arrays[bucket[0]].shape)]
-    cuts = list(itertools.accumulate(arrays[i].size for i in bucket))[:-1]
-    return [part.reshape(arrays[i].shape) for i, part in zip(bucket, mx.split(flat, cuts))]
-
-
-# --- the same structure on every rank --------------------------------------------------
+def unpack(flats, arrays, groups) -> list:
+    """``pack``'s inverse: ``flats`` (one per bucket of ``groups``) cut into arrays shaped like ``arrays``,
+    in their order (a lone array: itself, which may have been reduced in its own memory)."""
+    out = [None] * len(arrays)
+    for group, flat in zip(groups, flats):
+        cuts = list(itertools.accumulate(arrays[i].size for i in group))[:-1]
+        for i, part in zip(group, mx.split(flat, cuts) if cuts else [flat]):
+            out[i] = part if part.shape == arrays[i].shape else part.reshape(arrays[i].shape)
+    return out
 
 
 def describe(tree) -> list:
@@ -78,14 +72,11 @@ def describe(tree) -> list:
 
 
 def verify_same_structure(backend, description: list, what: str):
-    """Collective: if the ranks' ``description``s (``describe``) differ, TreeMismatchError on
-    every rank naming the first differing key and each rank's leaf (``check_same``)."""
-    check_same(
-        backend, what, {"tree": description}, TreeMismatchError, lambda every: _mismatch_message(every, what)
-    )
+    """Collective: unless every rank's ``description`` is the same, TreeMismatchError naming the first key."""
+    check_same(backend, what, {"tree": description}, TreeMismatchError, _mismatch_message)
 
 
-def _mismatch_message(everyone: list, what: str) -> str:
+def _mismatch_message(what: str, everyone: list) -> str:
     descriptions = [values["tree"] for values in everyone]
     tables = [dict(d) for d in descriptions]
     keys = list(dict.fromkeys(k for d in descriptions for k, _ in d))

@@ -1,8 +1,7 @@
 """The watchdog: a collective that does not finish in time ends the job with a report, not a hang.
 
-Every collective runs inside ``Collective(...)``, an entry in the table of regions in flight that a
-daemon thread checks. Past its timeout an entry is reported, and after ``GRACE`` seconds (for the
-other ranks' reports) ``os._exit(WATCHDOG_EXIT)`` ends the process; the launcher stops the others."""
+A daemon thread checks the regions in flight (``Collective``, ``watch``): one past its timeout is reported;
+``GRACE`` seconds later (for the others' reports) ``os._exit(WATCHDOG_EXIT)``; the launcher stops the rest."""
 
 import contextlib
 import faulthandler
@@ -12,7 +11,7 @@ import threading
 import time
 
 from .arrays import show, signature
-from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path, watchdog_settings
+from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path
 
 DEFAULT_TIMEOUT = 300.0
 GRACE = 2.0
@@ -41,7 +40,7 @@ def configure(timeout=None, debug=None):
     setting, initially ``DU_TIMEOUT`` (default 300) and ``DU_DEBUG`` (default off)."""
     where = "timeout"
     if timeout is None and _state.timeout is None:  # (the environment is read once, not at every watch)
-        where, timeout = "DU_TIMEOUT", watchdog_settings()[0] or DEFAULT_TIMEOUT
+        where, timeout = "DU_TIMEOUT", os.environ.get("DU_TIMEOUT") or DEFAULT_TIMEOUT
     if timeout is not None:
         try:
             seconds = float(timeout)
@@ -51,14 +50,14 @@ def configure(timeout=None, debug=None):
             raise ValueError(f"{where}={timeout!r} is not a number of seconds >= 0 (0: never)")
         _state.timeout = seconds
     if debug is not None or _state.debug is None:
-        _state.debug = bool(watchdog_settings()[1] if debug is None else debug)
+        debug = os.environ.get("DU_DEBUG", "0") not in ("", "0", "false", "no") if debug is None else debug
+        _state.debug = bool(debug)
 
 
 class Collective:
     """``with Collective(rank, what, details, arrays) as call``: watch one collective of this rank
-    (``call`` is None when nested in another: part of it). ``what`` ("allreduce"), ``details``
-    ("sum") and the arrays are shown (``text``) only when asked: a signature costs microseconds.
-    A ``watch`` region is a Collective registered without entering it (``seq`` 0)."""
+    (``call`` is None when nested in another: part of it), shown (``text``) only when asked. A
+    ``watch`` region is a Collective registered without entering it (``seq`` 0)."""
 
     start = None  # when it began, once registered
     seq = 0
@@ -84,11 +83,9 @@ class Collective:
             _state.done = self.seq
 
     def text(self, limit=None) -> str:
-        """``#5 allreduce(float32(3,), sum)``: what reports show (the first ``limit`` arrays) and
-        what must agree across ranks in debug mode."""
-        arrays = (
-            self.arrays if isinstance(self.arrays, list) else [] if self.arrays is None else [self.arrays]
-        )
+        """What reports show and debug mode checks: ``#5 allreduce(float32(3,), sum)`` (``limit`` arrays)."""
+        a = self.arrays
+        arrays = a if isinstance(a, list) else [] if a is None else [a]
         shown = [show(signature(a)) for a in arrays[:limit]]
         more = [f"... ({len(arrays)} arrays)"] if limit is not None and len(arrays) > limit else []
         return f"#{self.seq} {self.what}({', '.join(shown + more + list(self.details))})"
@@ -103,8 +100,7 @@ def waited() -> float:
 def watch(what: str, timeout=None):
     """Put a region under the watchdog: if it runs longer than ``timeout`` (default: the
     library's), this rank reports it and exits. For work that waits on other ranks, such as a
-    compiled step whose collectives run at your ``mx.eval``: ``with du.watch("train step"): ...``.
-    """
+    compiled step whose collectives run at your ``mx.eval``: ``with du.watch("train step"): ...``."""
     configure()
     region = Collective(_state.rank, what)
     region.timeout = _state.timeout if timeout is None else float(timeout)
@@ -120,12 +116,11 @@ def connecting(what: str):
     """``watch`` for a transport's start. MLX's ring holds the GIL while it connects: the C thread
     of faulthandler backs the watchdog up (a "Timeout" traceback through ``initialize``, exit 1)."""
     configure()
-    armed = bool(_state.timeout)
-    try:
-        if armed:
+    armed = False
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # no usable stderr: the thread alone
+        if _state.timeout:
             faulthandler.dump_traceback_later(_state.timeout + GRACE, exit=True, file=sys.__stderr__)
-    except (AttributeError, ValueError, OSError):  # no usable stderr: the thread alone
-        armed = False
+            armed = True
     try:
         with watch(what):
             yield

@@ -25,13 +25,10 @@ _RECORD = "du-launch-record "
 def job_environment(
     backend: str, world_size: int, report_dir: str, timeout=None, debug=False, restart=0
 ) -> dict:
-    """What every rank's environment gets on top of the launcher's own (the ring's ranks: and
-    ``ring_rank_environment``'s)."""
+    """What the launcher adds to every rank's environment (a ring rank's: and ``ring_rank_environment``'s)."""
     env = {k: os.environ[k] for k in ("DU_TIMEOUT", "DU_DEBUG") if k in os.environ}
-    env.update(
-        DU_REPORT_DIR=report_dir, DU_BACKEND=backend, DU_WORLD_SIZE=str(world_size), DU_RESTART=str(restart)
-    )
-    env.update(DU_JOB_ID=uuid.uuid4().hex, PYTHONUNBUFFERED="1", PATH=rank_path())
+    env.update(DU_REPORT_DIR=report_dir, DU_BACKEND=backend, DU_WORLD_SIZE=str(world_size), PATH=rank_path())
+    env.update(DU_RESTART=str(restart), DU_JOB_ID=uuid.uuid4().hex, PYTHONUNBUFFERED="1")
     if os.isatty(1) and "COLUMNS" not in os.environ:  # for progress bars: the width left after "[rank R] "
         env["COLUMNS"] = str(max(20, shutil.get_terminal_size().columns - len(f"[rank {world_size - 1}] ")))
     if timeout is not None:
@@ -93,17 +90,10 @@ def listen_error(ip: str, port: int):
     return None
 
 
-# --- the rank's side -----------------------------------------------------------------
-
-
 def launched_backend_name():
     """``DU_BACKEND``, else "mpi" under mpirun, else None (a world of one)."""
     mpirun = "mpi" if _first_set("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") is not None else None
     return _first_set("DU_BACKEND", default=mpirun)
-
-
-def launcher_name() -> str:
-    return "du-launch" if "DU_BACKEND" in os.environ else "mpirun"
 
 
 def _first_set(*names, default=None):
@@ -132,12 +122,6 @@ def job_id():
     return os.environ.get("DU_JOB_ID")
 
 
-def watchdog_settings() -> tuple:
-    """``(DU_TIMEOUT or None, whether DU_DEBUG is on)``."""
-    debug = os.environ.get("DU_DEBUG", "0")
-    return os.environ.get("DU_TIMEOUT") or None, debug not in ("", "0", "false", "no")
-
-
 def launched_by_mpirun() -> bool:
     """Whether mpirun started this process in a job of more than one process."""
     return int(_first_set("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1)) > 1
@@ -152,8 +136,7 @@ def launched_for(mlx_name: str) -> bool:
 def check_ring_addresses():
     """Raise unless this rank can listen on its MLX_HOSTFILE addresses (MLX: "Couldn't bind socket")."""
     path = os.environ["MLX_HOSTFILE"]
-    with open(path) as f:
-        hosts = json.load(f)
+    hosts = json.loads(Path(path).read_text())
     rank = os.environ.get("MLX_RANK", "")
     if not (rank.isdigit() and int(rank) < len(hosts)):
         raise BackendUnavailableError(
@@ -167,9 +150,6 @@ def check_ring_addresses():
             raise BackendUnavailableError(
                 f"RingBackend: rank {rank} cannot listen on {address} (from MLX_HOSTFILE): {error}{held}"
             )
-
-
-# --- MPI -------------------------------------------------------------------------------
 
 
 def libmpi_path():
@@ -192,9 +172,8 @@ def mlx_mpi_available() -> bool:
 
 @functools.cache  # (once: a call that raises is not cached)
 def start_mlx_mpi():
-    """Initialize MLX's MPI backend once, under ``mpirun``, before mpi4py: MLX's fails silently (a
-    world of one) after mpi4py's MPI_Init, while mpi4py accepts MLX's. BackendUnavailableError
-    when it cannot: no libmpi, or mpi4py was first."""
+    """Initialize MLX's MPI backend once under ``mpirun``, before mpi4py (after mpi4py's MPI_Init, MLX's is
+    silently a world of one); BackendUnavailableError if it cannot (no libmpi, or mpi4py was first)."""
     import mlx.core as mx
 
     if not launched_by_mpirun():

@@ -1,5 +1,7 @@
 """MPIBackend: collectives through mpi4py on host buffers (Open MPI from the pip wheel by default)."""
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 
@@ -14,21 +16,18 @@ SMALL_BYTES = 64 * 2**10
 
 
 class MPIBackend(AbstractBackend):
-    """MPI through mpi4py on host buffers: an ``mx.array``'s memory read through a numpy view, and
-    reduced in place in it when handed over (``in_place``), else in a copy; numbers and numpy
-    arrays stay in numpy (``host_buffers``). While MLX traces a function (``mx.compile``) the
-    collectives are MLX's own MPI ops on the same processes (``MLXMPIBackend``)."""
+    """MPI through mpi4py on host buffers: an ``mx.array``'s memory, read through a numpy view, is reduced
+    in place when handed over (``in_place``), else in a copy; numpy arrays stay in numpy. While MLX
+    traces a function, the collectives are MLX's own MPI ops on the same processes (``MLXMPIBackend``)."""
 
     launch_name, started_by_du_launch = "mpi", True
     bucket_bytes = 64 * 2**10  # (MPI's latency is small: packing beyond that only costs a copy)
     host_buffers = True
 
     def __init__(self, comm=None):
-        if contract.mlx_mpi_available():
-            try:  # first, so that MLXMPIBackend can still start in this process afterwards
+        if contract.mlx_mpi_available():  # first, so that MLXMPIBackend can still start here afterwards
+            with contextlib.suppress(BackendUnavailableError):  # (MPIBackend does not need it)
                 contract.start_mlx_mpi()
-            except BackendUnavailableError:
-                pass  # MPIBackend does not need it
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -73,12 +72,11 @@ class MPIBackend(AbstractBackend):
             else:
                 w = widened(a)  # (no MPI type: reduced in float32, rounded once)
                 view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
-                if view is None and w.size:  # a copy to reduce in: a small one in numpy (see _received)
-                    if w.nbytes <= SMALL_BYTES:
-                        w = view = np.array(w, order="C")  # (evaluated, of a dtype numpy has: not narrow)
-                    else:
-                        w = to_mx(contiguous_numpy(w))
-                        view = own_memory(w)
+                if view is None and w.size and w.nbytes <= SMALL_BYTES:  # a small copy: numpy's (_received)
+                    w = view = np.array(w, order="C")  # (evaluated, of a dtype numpy has: not narrow)
+                elif view is None and w.size:  # a copy to reduce in
+                    w = to_mx(contiguous_numpy(w))
+                    view = own_memory(w)
             work.append(w)
             views.append(view)
         for flat in [view.reshape(-1) for view in views if view is not None]:
@@ -96,18 +94,14 @@ class MPIBackend(AbstractBackend):
         if self.rank == root:
             self.comm.Bcast(_bytes(buf), root=root)
             return x
-        return _as_dtype(
-            _received(buf.shape, buf.dtype, lambda out: self.comm.Bcast(out, root=root)), x.dtype
-        )
+        return _received(buf.shape, buf.dtype, x.dtype, lambda out: self.comm.Bcast(out, root=root))
 
     def allgather(self, x):
         if traced := self._while_tracing([x]):
             return traced.allgather(x)
         buf = contiguous_numpy(x)
         shape = (self.size * buf.shape[0],) + buf.shape[1:]
-        return _as_dtype(
-            _received(shape, buf.dtype, lambda out: self.comm.Allgather(_bytes(buf), out)), x.dtype
-        )
+        return _received(shape, buf.dtype, x.dtype, lambda out: self.comm.Allgather(_bytes(buf), out))
 
     def barrier(self):
         self.comm.Barrier()
@@ -126,16 +120,17 @@ class MPIBackend(AbstractBackend):
         return MPIBackend(self.comm.Split(color, self.rank))
 
 
-def _received(shape, dtype, receive) -> mx.array:
-    """A new mx.array of ``shape`` and numpy ``dtype`` written by ``receive(bytes)``: in its own
-    memory, or up to ``SMALL_BYTES`` in numpy's, then copied (cheaper than a new MLX array)."""
+def _received(shape, dtype, mx_dtype, receive) -> mx.array:
+    """A new mx.array of ``shape`` (seen as ``mx_dtype``) that ``receive(bytes)`` writes as numpy ``dtype``:
+    into its own memory, or up to ``SMALL_BYTES`` into numpy's, then copied (cheaper than a new MLX array)."""
     if int(np.prod(shape)) * dtype.itemsize <= SMALL_BYTES:
-        buf = np.zeros(shape, dtype)  # (zeros, as mx.zeros: no stale memory if a rank sent less)
-        receive(_bytes(buf))
-        return to_mx(buf)
-    out = mx.zeros(shape, MX_BY_NUMPY[dtype])
-    receive(_bytes(own_memory(out)))
-    return out
+        out = np.zeros(shape, dtype)  # (zeros, as mx.zeros: no stale memory if a rank sent less)
+        receive(_bytes(out))
+        out = to_mx(out)
+    else:
+        out = mx.zeros(shape, MX_BY_NUMPY[dtype])
+        receive(_bytes(own_memory(out)))
+    return out if out.dtype == mx_dtype else out.view(mx_dtype)
 
 
 def _like(result, a):
@@ -155,11 +150,6 @@ def _unshared(view, taken):
         return None
     taken.append((start, end))
     return view
-
-
-def _as_dtype(received: mx.array, dtype) -> mx.array:
-    """Received bits back as ``dtype`` (bfloat16 travels as its uint16 bits)."""
-    return received.view(dtype) if received.dtype != dtype else received
 
 
 def _bytes(buf: np.ndarray) -> np.ndarray:
