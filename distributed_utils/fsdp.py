@@ -1,13 +1,8 @@
-"""Fully sharded models (FSDP, ZeRO stage 3) on every backend: ``fully_shard(backend, module)``
-keeps on each rank 1/N of the module's own parameters, gathers them whole for its forward pass
-and reduce-scatters their gradients in the backward pass.
-
-A parameter of n elements, flattened and padded with zeros to N * c (c = ceil(n / N)), is cut
-into N **shards** of c; rank r keeps shard r, a 1-d array at the parameter's key. A unit's own
-parameters (those of no fully sharded submodule) travel in an all-gather each, their gradients in
-a reduce-scatter each (``Reduction.reduce(scatter=True)``: averaged once). ZeRO-1 (the sharded
-optimizer state) and checkpoints use the same shards.
-"""
+"""Fully sharded models (FSDP, ZeRO stage 3) on every backend. A parameter of n elements, flattened
+and zero-padded to N * c (c = ceil(n / N)), is cut into N **shards** of c; rank r keeps shard r, at
+the parameter's key. A unit's own parameters (those of no fully sharded submodule) are all-gathered
+for its forward pass, their gradients reduce-scattered (``Reduction.reduce(scatter=True)``) in the
+backward pass. ZeRO-1 (the sharded optimizer state) and checkpoints use the same shards."""
 
 import collections
 import functools
@@ -42,13 +37,10 @@ _Unit = collections.namedtuple("_Unit", "backend shapes compute_dtype reshard re
 
 def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):
     """Collective: ``module`` (returned, in place) keeps of each of its own parameters this rank's
-    shard of rank 0's values; apply it to the blocks first, then to the root. Each call gathers
-    the whole parameters (in ``compute_dtype`` if given: a floating dtype to compute in), and
-    the backward pass gives the shards' gradients, averaged over the ranks; frozen parameters
-    are gathered and never reduced. ``reshard_after_forward``: a module without fully sharded
-    submodules lets its whole parameters go after its forward pass and gathers them again to
-    recompute it in the backward pass (as ``mx.checkpoint``): one block's whole parameters live
-    at a time; else they live until the backward pass."""
+    shard of rank 0's values; each call gathers them whole (in ``compute_dtype`` if given), and
+    the backward pass gives the shards' gradients, averaged over the ranks (frozen parameters:
+    none). ``reshard_after_forward``: a module without fully sharded submodules drops the whole
+    parameters after its forward pass and recomputes it in the backward pass. README: details."""
     check_backend(backend)
     if not isinstance(module, nn.Module):
         raise TypeError(f"du.fully_shard: expected an mlx.nn.Module, got {type(module).__name__}")
@@ -109,8 +101,7 @@ def _whole(shard, shape, backend):
 
 
 def reduce_scatter(reduction, wholes: dict, *, what, scale=1.0, weight=None) -> dict:
-    """Collective: ``{key: this rank's shard of wholes[key] reduced over the ranks}``, by ``reduction``
-    (``Reduction.reduce(scatter=True)``: averaged, or weighted, as it decides), the arrays padded."""
+    """Collective: ``{key: this rank's shard of wholes[key] reduced over the ranks by reduction}``."""
     flats = {key: _padded(g.reshape(-1), reduction.backend.size) for key, g in wholes.items()}
     return reduction.reduce(flats, scale=scale, weight=weight, scatter=True, verify=False, what=what).wait()
 
@@ -153,13 +144,10 @@ def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
     """``run``'s result as a function whose backward pass gathers the parameters again and recomputes
     the forward pass (``reshard_after_forward``); only its floating array inputs get gradients."""
     inputs = [a for _, a in tree_flatten((args, kwargs)) if isinstance(a, mx.array)]
-    floating = [i for i, a in enumerate(inputs) if is_floating(a.dtype)]
 
-    def call(full, floats):
-        xs = list(inputs)
-        for i, x in zip(floating, floats):
-            xs[i] = x
-        a, k = replace_arrays((args, kwargs), xs)
+    def call(full, floats):  # (the floating inputs replaced by ``floats``)
+        it = iter(floats)
+        a, k = replace_arrays((args, kwargs), [next(it) if is_floating(x.dtype) else x for x in inputs])
         out = run(full, a, k)
         if not isinstance(out, mx.array):
             raise TypeError(
@@ -187,16 +175,15 @@ def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
 
     recomputed = mx.custom_function(forward)
     recomputed.vjp(backward)
-    return recomputed(shards, [inputs[i] for i in floating])
+    return recomputed(shards, [x for x in inputs if is_floating(x.dtype)])
 
 
 # --- what the rest of the library asks of fully sharded models ----------------------------------
 
 
 def _detached(a):
-    """``a`` (an array, or a list of them) evaluated and copied out of its graph: inside
-    ``mx.value_and_grad`` an evaluated array keeps its inputs (the whole parameters, the activations)
-    until the gradients are evaluated. While MLX traces, ``a`` itself."""
+    """``a`` (or a list) evaluated and copied out of its graph: inside ``mx.value_and_grad`` an evaluated
+    array keeps its inputs (whole parameters, activations) till the end. While MLX traces: ``a``."""
     if isinstance(a, list):
         return [_detached(x) for x in a]
     if not evaluate(a):
@@ -206,8 +193,7 @@ def _detached(a):
 
 
 def sharded(model, backend=None) -> dict:
-    """``{flat key: (whole shape, backend)}`` of ``model``'s parameters that are shards of fully
-    sharded submodules (over ``backend``, if given)."""
+    """``{flat key: (whole shape, backend)}`` of ``model``'s shards (over ``backend``, if given)."""
     out = {}
     if isinstance(model, nn.Module):
         for path, m in model.named_modules():
@@ -219,7 +205,6 @@ def sharded(model, backend=None) -> dict:
 
 
 def any_alive() -> bool:
-    """Whether this process holds a fully sharded module."""
     return any(ref() is not None for ref in _units)
 
 
@@ -257,8 +242,8 @@ def _at_shards(tree, shards, fn):
 
 
 def clip_grad_norm(backend, gradients, max_norm: float):
-    """Collective: ``(gradients scaled so that their global norm is at most max_norm, the global
-    norm)``: the norm over every rank's ``gradients`` (its shards, as MLX's ``clip_grad_norm_sharded``)."""
+    """Collective: ``(gradients scaled to a global norm of at most max_norm, the global norm)``, the norm
+    over every rank's ``gradients`` (its shards, as MLX's ``clip_grad_norm_sharded``)."""
     leaves = tree_flatten(gradients)
     local = sum((mx.square(g.astype(mx.float32)).sum() for _, g in leaves), mx.array(0.0, mx.float32))
     norm = mx.sqrt(allreduce(backend, local, "sum"))
@@ -283,15 +268,14 @@ ELEMENTWISE = (optim.SGD, optim.Adam, optim.Lion, optim.RMSprop, optim.Adagrad, 
 
 
 def check_elementwise(optimizer, who: str):
-    """ValueError unless ``optimizer`` updates each element on its own: only then does a step on
-    shards equal the step on the whole parameters."""
+    """ValueError unless ``optimizer`` updates each element on its own (a step on shards is then exact)."""
     if isinstance(optimizer, ELEMENTWISE) and not isinstance(optimizer, optim.MultiOptimizer):
         return
     why = {
-        "Adafactor": "it factors each matrix's second moment into row and column statistics",
+        "Adafactor": "it factors each matrix's second moment",
         "MultiOptimizer": "it picks an optimizer for each parameter by its name",
-        "Muon": "it orthogonalizes each matrix's update as a whole",
-    }.get(type(optimizer).__name__, "it is not known to update each element on its own")
+    }
+    why = why.get(type(optimizer).__name__, "it is not known to update each element on its own")
     names = ", ".join(c.__name__ for c in ELEMENTWISE) + " (and AdamW, a subclass of Adam)"
     raise ValueError(
         f"{who} steps shards of the parameters, which is exact only for element-by-element optimizers "

@@ -33,10 +33,9 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         accumulate_steps: k > 1 sums k calls' gradients locally and reduces, at the k-th call,
             their mean (op "avg": like one process at batch k*N*B) or sum; the other calls send
             nothing and change nothing. The count lives in Python: keep ``update`` out of ``mx.compile``.
-        shard_optimizer_state: each rank keeps the state of its shard (``fsdp.shard_of``) of each
-            parameter (ZeRO stage 1): a step reduce-scatters the gradients, steps this rank's
-            shards and all-gathers the parameters; checkpoints hold the whole state, which loads
-            into any world size. For the element-by-element optimizers (``fsdp.ELEMENTWISE``).
+        shard_optimizer_state: each rank keeps the state of its shard of each parameter (ZeRO-1:
+            reduce, step this rank's shards, all-gather the parameters); checkpoints hold the whole
+            state. For the element-by-element optimizers (``fsdp.ELEMENTWISE``).
     """
 
     def __init__(
@@ -58,7 +57,7 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         self.sharded = bool(shard_optimizer_state)
         if self.sharded:
             fsdp.check_elementwise(optimizer, "DistributedOptimizer(shard_optimizer_state=True)")
-        self._layout = {}  # sharded: {key: (whole shape, backend)} of the parameters whose state is
+        self._layout = {}  # sharded: {key: (whole shape, backend)}, for fsdp.whole_tree
         self._checked = False  # the ranks' parameters and settings, at the first update
         self._sum, self._weight, self._calls = None, None, 0  # this accumulation cycle's, on this rank
 
@@ -97,10 +96,7 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         return scalars(self.state) if self.sharded else self.state  # (sharded: each its shards)
 
     def set_shared_state(self, state: dict):
-        if self.sharded:
-            self.state.update(state)
-        else:
-            self.state = state
+        self.state = {**self.state, **state} if self.sharded else state
 
     def whole_state(self) -> dict:
         return fsdp.whole_tree(self.state, self._layout) if self.sharded else self.state

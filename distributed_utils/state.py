@@ -49,13 +49,10 @@ class Plain(OptimizerState):
     def shared_state(self) -> dict:
         return self.optimizer.state
 
-    def set_shared_state(self, state: dict):
-        self.optimizer.state = state
-
-    whole_state = shared_state
-
     def load_whole_state(self, state: dict, model=None):
         self.optimizer.state = state
+
+    whole_state, set_shared_state = shared_state, load_whole_state
 
 
 def of(optimizer) -> OptimizerState:

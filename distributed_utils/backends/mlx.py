@@ -80,14 +80,14 @@ class MLXBackend(AbstractBackend):
         if self.size == 1 or not evaluate(x):
             return super().reduce_scatter(x, scale)
         n, r, c = self.size, self.rank, x.shape[0] // self.size
-        total = x[(r - 1) % n * c : ((r - 1) % n + 1) * c]
+        part = lambda k: x[k % n * c : (k % n + 1) * c]  # noqa: E731
+        total = part(r - 1)
         for step in range(n - 1):  # send the running sum of part r - step - 1 right, add part r - step - 2
             sent = mx.distributed.send(total, (r + 1) % n, group=self.group, stream=self.stream)
             got = mx.distributed.recv_like(total, (r - 1) % n, group=self.group, stream=self.stream)
             for first in (got, sent) if r % 2 else (sent, got):
                 mx.eval(first)
-            k = (r - step - 2) % n
-            total = got + x[k * c : (k + 1) * c]
+            total = got + part(r - step - 2)
         return total * scale if scale != 1.0 else total
 
     def bcast(self, x, root):
