@@ -4,6 +4,7 @@ their batches (and bit for bit like the replicated DistributedOptimizer), each r
 clipping, checkpoints, groups, and MLX's own sharded layers."""
 
 import math
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -308,3 +309,32 @@ def test_data_parallel_over_one_group_and_mlx_tensor_parallel_layers_over_the_ot
         mx.eval(model.parameters(), one.parameters())
     probe = mx.random.normal((5, 4))
     assert mx.allclose(model(probe), one(probe), atol=1e-5).item()
+
+
+@pytest.mark.world(min_size=2)
+def test_ranks_that_shard_different_modules_get_a_clear_error_on_every_rank(backend):
+    with pytest.raises(ValueError, match="every rank needs the same parameters"):
+        du.fully_shard(backend, Block(5 + backend.rank % 2))
+    with pytest.raises(ValueError, match="every rank needs the same reshard_after_forward"):
+        du.fully_shard(backend, Block(5), reshard_after_forward=backend.rank == 0)
+    with pytest.raises(TypeError, match="expected an mlx.nn.Module"):
+        du.fully_shard(backend, {"weight": mx.zeros(3)})
+
+
+def test_a_compiled_step_trains_like_the_uncompiled_one(backend):
+    """Under mx.compile the gathers and reduce-scatters are traced (MPIBackend: MLX's own MPI)."""
+    _, mine = batches(backend)
+    model, opt = sharded(backend, net()), du.DistributedOptimizer(backend, optim.SGD(0.1))
+    loss_and_grad, state = nn.value_and_grad(model, loss_fn), [model.state, opt.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(x, y):
+        loss, grads = loss_and_grad(model, x, y)
+        opt.update(model, grads)
+        return loss
+
+    for x, y in mine:
+        with du.watch("compiled step"):
+            mx.eval(step(x, y), state)
+    expected = train(sharded(backend, net()), du.DistributedOptimizer(backend, optim.SGD(0.1)), mine)
+    assert_close(whole(model), whole(expected), atol=1e-6)
