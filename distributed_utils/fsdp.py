@@ -53,7 +53,7 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     check_same(backend, "du.fully_shard", {**settings, "reshard_after_forward": reshard_after_forward})
     shards = []
     for key, a in own:  # one parameter whole at a time
-        shards.append((key, shard_of(bcast(backend, a), backend.size, backend.rank)))
+        shards.append((key, mx.contiguous(shard_of(bcast(backend, a), backend.size, backend.rank))))
         mx.eval(shards[-1][1])
     module.update(tree_unflatten(shards))
     shapes = {key: a.shape for key, a in own}
@@ -79,10 +79,10 @@ def _own(module) -> list:
 
 
 def shard_of(a, size: int, rank: int) -> mx.array:
-    """Rank's shard of ``a``: elements r * c .. (r + 1) * c - 1 of it, flattened and zero-padded."""
+    """Rank's shard of ``a``: elements r * c .. (r + 1) * c - 1 of it, flattened and zero-padded (a view)."""
     flat = _padded(a.reshape(-1), size)
     c = flat.size // size
-    return mx.contiguous(flat[rank * c : (rank + 1) * c])  # (a copy: the whole goes)
+    return flat[rank * c : (rank + 1) * c]
 
 
 def _padded(flat, size: int):
@@ -222,7 +222,7 @@ def whole_tree(tree, shards: dict):
 
 def shard_tree(tree, shards: dict):
     """``whole_tree``'s inverse, on this rank: this rank's shard of each whole array at a key of ``shards``."""
-    return _at_shards(tree, shards, lambda a, _, backend: shard_of(a, backend.size, backend.rank))
+    return _at_shards(tree, shards, lambda a, _, b: mx.contiguous(shard_of(a, b.size, b.rank)))
 
 
 def whole_shapes(tree, shards: dict):
