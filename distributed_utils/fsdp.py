@@ -24,8 +24,7 @@ _units = []  # weak references to every fully sharded module of this process
 
 
 class FullyShardedModule(nn.Module):
-    """The class a module gets from ``fully_shard`` (a subclass of its own): its own parameters are
-    this rank's shards, gathered whole for each call."""
+    """What ``fully_shard`` makes a module's class (a subclass of its own): it gathers at each call."""
 
     def __call__(self, *args, **kwargs):
         return _call(self, super().__call__, args, kwargs)
@@ -36,17 +35,18 @@ _Unit = collections.namedtuple("_Unit", "backend shapes compute_dtype reshard re
 
 
 def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):
-    """Collective: ``module`` (returned, in place) keeps of each of its own parameters this rank's
-    shard of rank 0's values; each call gathers them whole (in ``compute_dtype`` if given), and
-    the backward pass gives the shards' gradients, averaged over the ranks (frozen parameters:
-    none). ``reshard_after_forward``: a module without fully sharded submodules drops the whole
-    parameters after its forward pass and recomputes it in the backward pass. README: details."""
+    """Collective: ``module`` (in place, returned) keeps of each of its own parameters this rank's shard of
+    rank 0's values, gathered whole (in ``compute_dtype``) at each call; its backward pass gives the
+    shards' gradients, averaged over the ranks. Blocks first, then the root. README: the details."""
     check_backend(backend)
     if not isinstance(module, nn.Module):
         raise TypeError(f"du.fully_shard: expected an mlx.nn.Module, got {type(module).__name__}")
     check_mlx_sharding(backend, module, "du.fully_shard", replicated_ok=False)
     if isinstance(module, FullyShardedModule):
         return module
+    for unit in filter(None, (ref() for ref in _units)):  # (its parameters would be sharded twice)
+        if any(m is module for m in unit.modules()):
+            raise ValueError("du.fully_shard: the module is inside a fully sharded one; shard blocks first")
     own = _own(module)
     layout = [(k, a.shape, str(a.dtype)) for k, a in own]
     settings = {"parameters (key, shape, dtype)": layout, "compute_dtype": str(compute_dtype)}
@@ -93,11 +93,7 @@ def _padded(flat, size: int):
 
 def gather(backend, shards: list, shapes: list) -> list:
     """Collective: the whole arrays of ``shapes`` from every rank's ``shards`` (an all-gather each)."""
-    return [_whole(s, shape, backend) for s, shape in zip(shards, shapes)]
-
-
-def _whole(shard, shape, backend):
-    return allgather(backend, shard)[: math.prod(shape)].reshape(shape)
+    return [allgather(backend, s)[: math.prod(shape)].reshape(shape) for s, shape in zip(shards, shapes)]
 
 
 def reduce_scatter(reduction, wholes: dict, *, what, scale=1.0, weight=None) -> dict:
@@ -115,7 +111,9 @@ def _call(module, forward, args, kwargs):
     what = f"fully_shard({type(module).__name__})"
 
     def whole(shards, names):
-        cast = [s.astype(unit.compute_dtype) if unit.compute_dtype else s for s in shards]
+        cast = [
+            s.astype(unit.compute_dtype) if unit.compute_dtype and is_floating(s.dtype) else s for s in shards
+        ]
         return gather(unit.backend, cast, [unit.shapes[k] for k in names])
 
     def scattered(shards, cotangents):  # the shards' gradients
@@ -141,8 +139,7 @@ def _call(module, forward, args, kwargs):
 
 
 def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
-    """``run``'s result as a function whose backward pass gathers the parameters again and recomputes
-    the forward pass (``reshard_after_forward``); only its floating array inputs get gradients."""
+    """``run``'s result, its backward pass gathering and recomputing it (floating array inputs only)."""
     inputs = [a for _, a in tree_flatten((args, kwargs)) if isinstance(a, mx.array)]
 
     def call(full, floats):  # (the floating inputs replaced by ``floats``)
@@ -192,13 +189,13 @@ def _detached(a):
     return mx.array(to_numpy(a.view(bits)), bits).view(a.dtype)
 
 
-def sharded(model, backend=None) -> dict:
-    """``{flat key: (whole shape, backend)}`` of ``model``'s shards (over ``backend``, if given)."""
+def sharded(model) -> dict:
+    """``{flat key: (whole shape, backend)}`` of ``model``'s shards."""
     out = {}
     if isinstance(model, nn.Module):
         for path, m in model.named_modules():
             unit = getattr(m, "_du_unit", None)
-            if unit is not None and backend in (None, unit.backend):
+            if unit is not None:
                 prefix = f"{path}." if path else ""
                 out.update({prefix + k: (shape, unit.backend) for k, shape in unit.shapes.items()})
     return out
@@ -217,7 +214,7 @@ def param_key(key: str, sharded_keys) -> str:
 def whole_tree(tree, shards: dict):
     """Collective: ``tree`` (parameters, or an optimizer state keyed by them) with every shard at a key
     of ``shards`` (``sharded``) gathered whole."""
-    return _at_shards(tree, shards, lambda a, shape, backend: _whole(a, shape, backend))
+    return _at_shards(tree, shards, lambda a, shape, backend: gather(backend, [a], [shape])[0])
 
 
 def shard_tree(tree, shards: dict):
@@ -252,9 +249,8 @@ def clip_grad_norm(backend, gradients, max_norm: float):
 
 
 def split(backend, color: int):
-    """Collective: a backend over the ranks of ``backend`` that pass the same ``color`` (an int >= 0),
-    ranked as in ``backend`` (MPI's ``Comm.Split``, MLX's ``Group.split``); BackendUnavailableError
-    where the transport has none (MLX's ring)."""
+    """Collective: a backend over the ranks that pass the same ``color`` (an int >= 0), in ``backend``'s
+    order (MPI's ``Comm.Split``, MLX's ``Group.split``; none on MLX's ring: BackendUnavailableError)."""
     check_backend(backend)
     color = check_count(color, 0, "du.split: color")
     sub = backend if backend.size == 1 else backend.split(color)
@@ -287,10 +283,9 @@ def check_elementwise(optimizer, who: str):
 
 
 def check_mlx_sharding(backend, model, who: str, replicated_ok=True):
-    """Collective: ValueError on every rank if ``model`` holds MLX's own sharded layers whose
-    parameters differ across ``backend``'s ranks (``nn.fully_shard``'s module; ``shard_linear``'s
-    layers, unless ``replicated_ok`` and every rank of ``backend`` holds the same shard: tensor
-    parallel over another group): broadcasting, averaging or saving one rank's would be wrong."""
+    """Collective: ValueError on every rank if ``model`` holds MLX's own sharded layers whose parameters
+    differ across ``backend`` (``nn.fully_shard``'s; ``shard_linear``'s, unless ``replicated_ok`` and
+    every rank holds the same shard): broadcasting, averaging or saving one rank's would be wrong."""
     from mlx.nn.layers import distributed as mlx
 
     kinds = (mlx.FullyShardedModule, mlx.AllToShardedLinear, mlx.ShardedToAllLinear)

@@ -133,12 +133,14 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         """The updated parameters (of ``target``: the model or ``parameters``), or None while accumulating."""
         if not isinstance(target, nn.Module) and fsdp.any_alive():
             raise ValueError(
-                "DistributedOptimizer.apply_gradients cannot tell a fully sharded model's shards (reduced "
-                "already) from replicated parameters: use update(model, grads)"
+                "DistributedOptimizer.apply_gradients cannot tell shards from the rest: use update"
             )
-        shards = fsdp.sharded(target, self.backend)  # reduced in the backward pass already
+        every = fsdp.sharded(target)  # (their gradients, averaged in the backward pass: no weight, no op)
+        if every:  # (at every call: a traced one, in mx.compile, too)
+            self._check_fully_sharded(weight)
+        shards = {k: v for k, v in every.items() if v[1] is self.backend}  # reduced already
         if not self._checked and evaluate(parameters):  # (not while MLX traces)
-            self._check_start(parameters, target, shards, weight)
+            self._check_start(parameters, target, shards)
         cycle = self._accumulate(gradients, weight)
         if cycle is None:
             return None
@@ -160,9 +162,8 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         optimizer's step on this rank's shards of the parameters, the whole parameters all-gathered."""
         grads = dict(self.reduction.check(gradients, weight, what, scale=scale))  # (the same tree everywhere)
         mine = self._my_shards({k: p for k, p in tree_flatten(parameters) if k in grads})
-        if (
-            self.backend.native_reduce_scatter
-        ):  # (else all-reduced as unsharded, and cut: bit for bit the same)
+        # (where the transport has no reduce-scatter of its own, all-reduced as unsharded: the same bits)
+        if self.backend.native_reduce_scatter:
             grads = fsdp.reduce_scatter(self.reduction, grads, what=what, scale=scale, weight=weight)
         else:
             grads = self.reduction.reduce(grads, scale=scale, weight=weight, verify=False, what=what).wait()
@@ -173,26 +174,27 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
             list(zip([k for k, _ in updated], fsdp.gather(self.backend, [a for _, a in updated], shapes)))
         )
 
-    def _check_start(self, parameters, model, shards, weight):
-        """Collective: every rank starts alike (``check_start``); a fully sharded model's gradients were
-        averaged in its backward pass, which only an element-by-element optimizer can step."""
+    def _check_start(self, parameters, model, shards):
+        """Collective: every rank starts alike (``check_start``)."""
         mine = dict(optimizer=self.rule_name(), accumulate_steps=self.accumulate_steps)
         settings = {**mine, "shard_optimizer_state": self.sharded, **self.reduction.settings()}
         fsdp.check_mlx_sharding(self.backend, model, "DistributedOptimizer")
         replicated = {k: p for k, p in tree_flatten(parameters) if k not in shards}
         check_start(self.backend, "DistributedOptimizer", replicated, settings)
-        if shards:
-            fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
-            why = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.sharded}
-            why["weight="] = weight is not None
-            bad = [name for name, yes in why.items() if yes]
-            if bad:
-                raise ValueError(
-                    f"DistributedOptimizer: a fully sharded model's gradients are averaged in its backward "
-                    f"pass, before update() sees them: {bad[0]} cannot apply (its state is 1/N already; "
-                    "to weight the ranks, scale each rank's loss by N * w_r / sum(w): README)"
-                )
         self._checked = True
+
+    def _check_fully_sharded(self, weight):
+        """A fully sharded model's gradients were averaged in its backward pass: only an element-by-element
+        optimizer steps them, unweighted, averaged, its state 1/N already."""
+        fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
+        why = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.sharded}
+        bad = [name for name, yes in {**why, "weight=": weight is not None}.items() if yes]
+        if bad:
+            raise ValueError(
+                f"DistributedOptimizer: a fully sharded model's gradients are averaged in its backward "
+                f"pass, before update() sees them: {bad[0]} cannot apply (to weight the ranks, scale each "
+                "rank's loss by N * w_r / sum(w): README)"
+            )
 
     def _accumulate(self, gradients, weight):
         """``(gradients, scale, weight)`` to reduce at the cycle's k-th call (the mean over the calls,

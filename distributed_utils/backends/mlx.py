@@ -80,6 +80,7 @@ class MLXBackend(AbstractBackend):
         if self.size == 1 or not evaluate(x):
             return super().reduce_scatter(x, scale)
         n, r, c = self.size, self.rank, x.shape[0] // self.size
+        x = x * scale if scale != 1.0 else x  # (before the sum, as allreduce: no sum overflows)
         part = lambda k: x[k % n * c : (k % n + 1) * c]  # noqa: E731
         total = part(r - 1)
         for step in range(n - 1):  # send the running sum of part r - step - 1 right, add part r - step - 2
@@ -88,7 +89,7 @@ class MLXBackend(AbstractBackend):
             for first in (got, sent) if r % 2 else (sent, got):
                 mx.eval(first)
             total = got + part(r - step - 2)
-        return total * scale if scale != 1.0 else total
+        return total
 
     def bcast(self, x, root):
         bits = x.view(UINT_BY_SIZE[x.dtype.size])

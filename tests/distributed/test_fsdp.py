@@ -235,6 +235,9 @@ def test_hybrid_sharding_shards_within_a_group_and_averages_across(backend):
     every, mine = batches(backend)
     local, across = du.split(backend, backend.rank // 2), du.split(backend, backend.rank % 2)
     model = train(sharded(local, net()), du.DistributedOptimizer(across, optim.Adam(1e-2)), mine)
+    _, grads = nn.value_and_grad(model, loss_fn)(model, *mine[0])
+    with pytest.raises(ValueError, match="element-by-element"):  # (the shards of another group's units)
+        du.DistributedOptimizer(across, optim.Adafactor()).update(model, grads)
     one = train(net(), optim.Adam(1e-2), every)
     assert_close(whole(model), dict(tree_flatten(one.parameters())))
 
@@ -343,3 +346,29 @@ def test_a_compiled_step_trains_like_the_uncompiled_one(backend):
             mx.eval(step(x, y), state)
     expected = train(sharded(backend, net()), du.DistributedOptimizer(backend, optim.SGD(0.1)), mine)
     assert_close(whole(model), whole(expected), atol=1e-6)
+
+
+def test_found_by_review(backend):
+    """A float16 reduce-scatter scales before its sums (as the all-reduce: no overflow); the refusals
+    hold in a compiled step too; compute_dtype leaves integer (quantized) parameters alone; blocks
+    after their root are refused."""
+    big = mx.full((4 * backend.size,), 40000.0, mx.float16)
+    reduction = du.reduction.Reduction(backend, "avg")
+    scattered = reduction.reduce({"g": big}, scatter=True).wait()["g"]
+    assert mx.array_equal(scattered, mx.full(scattered.shape, 40000.0, mx.float16)).item()
+    _, mine = batches(backend, steps=1)
+    model = sharded(backend, net())
+    opt = du.DistributedOptimizer(backend, optim.SGD(0.1))
+    step = mx.compile(
+        lambda x, y: opt.update(model, nn.value_and_grad(model, loss_fn)(model, x, y)[1], weight=1.0)
+    )
+    with pytest.raises(ValueError, match="weight= cannot apply"):
+        step(*mine[0])
+    quantized = nn.QuantizedLinear.from_linear(nn.Linear(64, 8))
+    quantized.freeze()
+    du.fully_shard(backend, quantized, compute_dtype=mx.bfloat16)
+    assert quantized(mx.ones((2, 64))).shape == (2, 8)
+    root = net()
+    du.fully_shard(backend, root)
+    with pytest.raises(ValueError, match="inside a fully sharded one"):
+        du.fully_shard(backend, root.blocks[0])
