@@ -156,7 +156,8 @@ def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
     def forward(shards, floats):
         key = mx.random.state[0]
         out = _detached(call(whole(shards, keys), floats))  # (its graph, and the whole parameters, go)
-        if not mx.array_equal(key, mx.random.state[0]).item():
+        drew = mx.logical_not(mx.array_equal(key, mx.random.state[0]))
+        if evaluate(drew) and drew.item():  # (not while MLX traces)
             raise ValueError(
                 f"{what}: reshard_after_forward=True recomputes the forward pass in the backward pass, "
                 "and this module draws random numbers (dropout?); pass reshard_after_forward=False"

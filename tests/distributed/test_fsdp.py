@@ -333,7 +333,7 @@ def test_a_compiled_step_trains_like_the_uncompiled_one(backend):
     """Under mx.compile the gathers and reduce-scatters are traced (MPIBackend: MLX's own MPI)."""
     _, mine = batches(backend)
     model, opt = sharded(backend, net()), du.DistributedOptimizer(backend, optim.SGD(0.1))
-    loss_and_grad, state = nn.value_and_grad(model, loss_fn), [model.state, opt.state]
+    loss_and_grad, state = nn.value_and_grad(model, loss_fn), [model.state, opt.state, mx.random.state]
 
     @partial(mx.compile, inputs=state, outputs=state)
     def step(x, y):
