@@ -31,7 +31,7 @@ class FullyShardedModule(nn.Module):
 
 
 #: What ``fully_shard`` keeps of a module, outside its parameters (``shapes``: the whole ones by key).
-_Unit = collections.namedtuple("_Unit", "backend shapes compute_dtype reshard reduction")
+_Unit = collections.namedtuple("_Unit", "backend shapes compute_dtype recompute reduction")
 
 
 def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):
@@ -47,7 +47,7 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     for unit in filter(None, (ref() for ref in _units)):  # (its parameters would be sharded twice)
         if any(m is module for m in unit.modules()):
             raise ValueError("du.fully_shard: the module is inside a fully sharded one; shard blocks first")
-    own = _own(module)
+    own, nested = _own(module), any(isinstance(m, FullyShardedModule) for m in module.modules())
     layout = [(k, a.shape, str(a.dtype)) for k, a in own]
     settings = {"parameters (key, shape, dtype)": layout, "compute_dtype": str(compute_dtype)}
     check_same(backend, "du.fully_shard", {**settings, "reshard_after_forward": reshard_after_forward})
@@ -57,7 +57,8 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
         mx.eval(shards[-1][1])
     module.update(tree_unflatten(shards))
     shapes = {key: a.shape for key, a in own}
-    unit = _Unit(backend, shapes, compute_dtype, reshard_after_forward, Reduction(backend, "avg"))
+    recompute = reshard_after_forward and not nested  # (a unit holding units keeps its own, as FSDP2's root)
+    unit = _Unit(backend, shapes, compute_dtype, recompute, Reduction(backend, "avg"))
     object.__setattr__(module, "_du_unit", unit)
     module.__class__ = _sharded_class(type(module))
     _units.append(weakref.ref(module))
@@ -69,11 +70,12 @@ def _sharded_class(cls):
     return type(f"FullySharded{cls.__name__}", (FullyShardedModule, cls), {})
 
 
-def _own(module) -> list:
-    """``[(key, array)]``: ``module``'s parameters that belong to no fully sharded submodule."""
+def _own(module, parameter_filter=nn.Module.valid_parameter_filter) -> list:
+    """``[(key, array)]``: ``module``'s parameters (by ``parameter_filter``: the trainable ones, say) that
+    belong to no fully sharded submodule, whose own are not walked."""
 
     def keep(m, k, v):
-        return not isinstance(v, FullyShardedModule) and nn.Module.valid_parameter_filter(m, k, v)
+        return not isinstance(v, FullyShardedModule) and parameter_filter(m, k, v)
 
     return tree_flatten(module.filter_and_map(keep))
 
@@ -105,7 +107,7 @@ def reduce_scatter(reduction, wholes: dict, *, what, scale=1.0, weight=None) -> 
 def _call(module, forward, args, kwargs):
     """``forward(*args, **kwargs)`` with ``module``'s own parameters whole (see ``fully_shard``)."""
     unit, own = module._du_unit, dict(_own(module))
-    trainable = own.keys() & {k for k, _ in tree_flatten(module.trainable_parameters())}
+    trainable = {k for k, _ in _own(module, nn.Module.trainable_parameter_filter)}
     keys = [k for k in own if k in trainable]  # gathered with a gradient: reduce-scattered
     frozen = [k for k in own if k not in trainable]
     what = f"fully_shard({type(module).__name__})"
@@ -132,8 +134,7 @@ def _call(module, forward, args, kwargs):
             module.update(tree_unflatten(list(own.items())))
 
     shards = [own[k] for k in keys]
-    nested = any(isinstance(m, FullyShardedModule) and m is not module for _, m in module.named_modules())
-    if not unit.reshard or nested:  # (MLX's custom_function crashes on an empty list)
+    if not unit.recompute:  # (MLX's custom_function crashes on an empty list)
         return run(gathered(shards) if shards else [], args, kwargs)
     return _recomputed(run, whole, scattered, keys, shards, args, kwargs, what)
 
@@ -193,7 +194,7 @@ def _detached(a):
 def sharded(model) -> dict:
     """``{flat key: (whole shape, backend)}`` of ``model``'s shards."""
     out = {}
-    if isinstance(model, nn.Module):
+    if isinstance(model, nn.Module) and any_alive():  # (else no walk: every step asks)
         for path, m in model.named_modules():
             unit = getattr(m, "_du_unit", None)
             if unit is not None:
@@ -203,7 +204,8 @@ def sharded(model) -> dict:
 
 
 def any_alive() -> bool:
-    return any(ref() is not None for ref in _units)
+    _units[:] = [ref for ref in _units if ref() is not None]
+    return bool(_units)
 
 
 def param_key(key: str, sharded_keys) -> str:

@@ -103,8 +103,8 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
 
     def load_whole_state(self, state: dict, model=None):
         if self.sharded and has_entries(state):  # (the shapes of the whole state's entries)
-            entries = {k: a for k, a in tree_flatten(state) if k.partition(".")[0] not in scalars(state)}
-            self._layout = {k.rpartition(".")[0]: (a.shape, self.backend) for k, a in entries.items()}
+            entries = tree_flatten({k: v for k, v in state.items() if k not in scalars(state)})
+            self._layout = {k.rpartition(".")[0]: (a.shape, self.backend) for k, a in entries}
             state = fsdp.shard_tree(state, self._layout)
         self.state = state
 
