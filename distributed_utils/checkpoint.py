@@ -1,12 +1,15 @@
 """Checkpoints that survive a job killed at any moment, and resume to the same trajectory (bit for
 bit, with the same data order). Rank 0 writes one safetensors file atomically (a CRC-32 per array, one
 over the metadata and the header), so ``path`` always holds the last complete checkpoint, and reads it
-back for every rank: the other ranks (on other hosts) need not see it."""
+back for every rank: the other ranks (on other hosts) need not see it. Arrays travel one piece at a
+time: a fully sharded model is gathered one parameter at a time as rank 0 writes it, and each rank
+keeps only its shards of what it reads back, so no rank ever holds the whole model."""
 
-import io
 import itertools
 import json
+import math
 import os
+import struct
 import time
 import warnings
 import zlib
@@ -62,12 +65,11 @@ def save_checkpoint(
         check_count(step, 0, "save_checkpoint(keep=...): step")
         folder, path = Path(path), Path(path) / f"step-{step:012d}.safetensors"
     arrays, shards = {}, _shards(backend, model, optimizer, "save_checkpoint")
-    if model is not None:  # (a fully sharded model's parameters and their state: whole)
-        params = model.trainable_parameters() if trainable_only else model.parameters()
-        arrays.update(_flat("model", fsdp.whole_tree(params, shards)))
+    if model is not None:  # (a fully sharded model's parameters and their state: shards, written whole)
+        arrays.update(_flat("model", model.trainable_parameters() if trainable_only else model.parameters()))
     state = None if optimizer is None else of(optimizer)
     if state is not None:
-        arrays.update(_flat("optimizer", fsdp.whole_tree(state.whole_state(), shards)))
+        arrays.update(_flat("optimizer", state.whole_state()))
     meta = dict(format=FORMAT, step=step, extra=extra, world_size=backend.size, trainable_only=trainable_only)
     meta["data"] = data.state_dict() if hasattr(data, "state_dict") else data
     meta["optimizer"] = None if state is None else state.rule_name()
@@ -85,28 +87,42 @@ def save_checkpoint(
             old.unlink()
 
     stale = ".step-*.safetensors.tmp-*" if keep is not None else None  # (in a keep folder: any step's)
-    _root_writes(backend, Path(path), arrays, meta_json, None if keep is None else prune, stale)
+    _root_writes(
+        backend, Path(path), arrays, _wholes(arrays, shards), meta_json, prune if keep else None, stale
+    )
 
 
-def _root_writes(backend, path: Path, arrays: dict, meta_json: str, then=None, stale=None):
-    """Collective: rank 0 writes ``arrays`` to ``path``, runs ``then()``, heartbeats going out."""
-    if backend.rank != 0:
-        while bcast(backend, np.array([0]), 0)[0]:
-            pass
+def _root_writes(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then=None, stale=None):
+    """Collective: rank 0 writes ``arrays`` to ``path`` (each shard at a key of ``wholes``, ``{key: (whole
+    shape, backend)}``, gathered whole in its turn), runs ``then()``, heartbeats going out."""
     last = time.monotonic()
 
-    def heartbeat():
+    def heartbeat(flag=1):  # (rank 0's: 1 "still writing", 2 "gather the next shard", 0 "done")
         nonlocal last
-        if time.monotonic() - last > HEARTBEAT_SECONDS:
-            bcast(backend, np.array([1]), 0)
+        if flag == 2 or time.monotonic() - last > HEARTBEAT_SECONDS:
+            bcast(backend, np.array([flag]), 0)
             last = time.monotonic()
 
+    def produce(key):
+        if key not in wholes:
+            return arrays[key]
+        if backend.rank == 0:
+            heartbeat(2)
+        return fsdp.gather(wholes[key][1], [arrays[key]], [wholes[key][0]])[0]
+
+    if backend.rank != 0:
+        gathers = iter([key for key in arrays if key in wholes])
+        while flag := bcast(backend, np.array([0]), 0)[0]:
+            if flag == 2:
+                produce(next(gathers))
+
     def write():
+        specs = {k: (a.dtype, wholes[k][0] if k in wholes else a.shape) for k, a in arrays.items()}
         try:
-            _write_atomically(path, arrays, meta_json, heartbeat, stale)
+            _write_atomically(path, specs, produce, meta_json, heartbeat, stale)
         finally:
             bcast(backend, np.array([0]), 0)
-        if then is not None:
+        if then:
             then()
 
     root_runs(backend, write, 0, CheckpointError, f"write {path}")
@@ -141,14 +157,11 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
         raise CheckpointError(
             f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a {state.rule_name()}"
         )
-    if backend.rank != 0:
-        read["arrays"] = {k: mx.zeros(shape, MX_DTYPES[dtype]) for k, (dtype, shape) in saved.items()}
-    arrays = synchronize(backend, read["arrays"], root=0)
-    mx.eval(arrays)
-    if model is not None:  # (a fully sharded model takes this rank's shards)
-        model.update(fsdp.shard_tree(tree_unflatten(_section(arrays, "model")), shards))
+    arrays = _delivered(backend, read.get("arrays"), saved, shards)
+    if model is not None:
+        model.update(tree_unflatten(_section(arrays, "model")))
     if state is not None:  # (DiLoCo sets the model's parameters to this rank's local ones)
-        state.load_whole_state(fsdp.shard_tree(tree_unflatten(_section(arrays, "optimizer")), shards), model)
+        state.load_whole_state(tree_unflatten(_section(arrays, "optimizer")), model)
     if meta["world_size"] == backend.size:
         hi, lo = arrays["rng"][backend.rank].tolist()
         mx.random.seed((hi << 32) | lo)  # seed(s) sets the key to [s >> 32, s & 0xffffffff]
@@ -165,6 +178,27 @@ def _shards(backend, model, optimizer, who) -> dict:
         )
     fsdp.check_mlx_sharding(backend, model, who, replicated_ok=False)
     return fsdp.sharded(model)
+
+
+def _wholes(keys, shards: dict, sectioned=True) -> dict:
+    """``{key: (whole shape, backend)}`` for the ``keys`` ("model.w", or "w" if not ``sectioned``) of shards."""
+    params = {key: fsdp.param_key(key.partition(".")[2] if sectioned else key, shards) for key in keys}
+    return {key: shards[param] for key, param in params.items() if param is not None}
+
+
+def _delivered(backend, arrays, saved: dict, shards: dict) -> dict:
+    """Collective: rank 0's ``arrays`` (``saved``: their signatures) on every rank, sent about
+    ``_PIECE_BYTES`` at a time; of a fully sharded model's whole arrays, this rank's shard only."""
+    out, chunk, size, wholes = {}, {}, 0, _wholes(saved, shards)
+    for n, (key, (dtype, shape)) in enumerate(saved.items(), 1):
+        chunk[key] = arrays.pop(key) if backend.rank == 0 else mx.zeros(shape, MX_DTYPES[dtype])
+        size += chunk[key].nbytes
+        if size >= _PIECE_BYTES or n == len(saved):
+            for k, a in synchronize(backend, chunk, root=0).items():
+                out[k] = fsdp.own_shard(a, wholes[k][1]) if k in wholes else a
+            mx.eval(list(out.values()))
+            chunk, size = {}, 0
+    return out
 
 
 def _flat(section, tree) -> dict:
@@ -184,27 +218,30 @@ def _section(arrays, section) -> list:
     return [(k.removeprefix(section + "."), v) for k, v in arrays.items() if k.startswith(section + ".")]
 
 
-def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat, stale=None):
-    """Write ``arrays`` (float64 as its bits) and their CRC-32s to a temporary file (removed on failure;
-    those of killed saves, ``stale``, before), fsync, rename to ``path``, fsync the directory.
-    ``heartbeat()`` runs after each checksum and each piece written."""
+def _write_atomically(path: Path, specs: dict, produce, meta_json: str, heartbeat, stale=None):
+    """Write the arrays of ``specs`` (``{key: (dtype, shape)}``; each ``produce(key)``, in turn; float64
+    as its bits) and their CRC-32s as safetensors to a temporary file (removed on failure; those of
+    killed saves, ``stale``, before), fsync, rename to ``path``, fsync the directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for old in path.parent.glob(stale or f".{path.name}.tmp-*"):  # left by a killed job
         old.unlink(missing_ok=True)
-    doubles = [key for key, a in arrays.items() if a.dtype == mx.float64]
-    arrays = {key: a.view(mx.uint64) if key in doubles else a for key, a in arrays.items()}
-    mx.eval(list(arrays.values()))
-    crcs = {}
-    for key, a in arrays.items():
-        crcs[key] = zlib.crc32(np.asarray(bits(a)))
-        heartbeat()
-    metadata = {"distributed_utils": meta_json, "crc32": json.dumps(crcs), "float64": json.dumps(doubles)}
-    metadata["keys"] = json.dumps(list(arrays))  # (MLX's header sorts them; trees come back in their order)
-    metadata["header_crc32"] = _header_crc(metadata, arrays)
+    doubles = [key for key, (dtype, _) in specs.items() if dtype == mx.float64]
+    specs = {k: (mx.uint64 if k in doubles else dtype, shape) for k, (dtype, shape) in specs.items()}
+    metadata = {"distributed_utils": meta_json, "float64": json.dumps(doubles)}
+    metadata["keys"] = json.dumps(list(specs))  # (MLX's header sorts them; trees come back in their order)
+    crcs = dict.fromkeys(specs, 2**32 - 1)  # (the widest: room for the header, written last)
+    room = len(_header(specs, metadata, crcs)) + 10
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            mx.save_safetensors(_Pieces(f, heartbeat), arrays, metadata)
+            f.seek(8 + room)
+            for key in specs:
+                data = np.asarray(bits(produce(key)))
+                crcs[key] = zlib.crc32(data)
+                heartbeat()
+                _write_pieces(f, data, heartbeat)
+            f.seek(0)
+            f.write(struct.pack("<Q", room) + _header(specs, metadata, crcs).ljust(room))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -218,33 +255,40 @@ def _write_atomically(path: Path, arrays: dict, meta_json: str, heartbeat, stale
         os.close(dir_fd)
 
 
-def _header_crc(metadata: dict, arrays: dict) -> str:
+def _header(specs: dict, metadata: dict, crcs: dict) -> bytes:
+    """A safetensors header: ``metadata`` with the arrays' CRC-32s and its own, each array's place."""
+    metadata = {**metadata, "crc32": json.dumps(crcs)}
+    metadata["header_crc32"] = _header_crc(metadata, specs)
+    header, start = {"__metadata__": metadata}, 0
+    for key, (dtype, shape) in specs.items():
+        name = str(dtype).rpartition(".")[2]  # safetensors' names: F32, BF16, U8, BOOL, ...
+        name = {"bool": "BOOL", "bfloat16": "BF16"}.get(
+            name, name[0].upper() + "".join(filter(str.isdigit, name))
+        )
+        end = start + math.prod(shape) * dtype.size
+        header[key] = {"dtype": name, "shape": list(shape), "data_offsets": [start, end]}
+        start = end
+    return json.dumps(header).encode()
+
+
+def _header_crc(metadata: dict, specs: dict) -> str:
     """A CRC-32 of the metadata and each array's name, dtype and shape: all a load trusts but the bytes."""
     parts = [metadata.get(k, "") for k in ("distributed_utils", "crc32", "float64", "keys")]
-    parts += [f"{key} {a.dtype} {a.shape}" for key, a in sorted(arrays.items())]
+    parts += [f"{key} {dtype} {tuple(shape)}" for key, (dtype, shape) in sorted(specs.items())]
     return str(zlib.crc32("\n".join(parts).encode()))
 
 
-class _Pieces(io.RawIOBase):
-    """The file as MLX's writer sees it: writes go out in pieces of ``_PIECE_BYTES``, ``heartbeat()``
-    after each, fsync after every 4 (so that the last fsync stays short)."""
-
-    def __init__(self, f, heartbeat):
-        self.f, self.heartbeat, self.count = f, heartbeat, 0
-
-    def write(self, data):
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), _PIECE_BYTES):
-            self.piece(view[start : start + _PIECE_BYTES])
-        return len(view)
-
-    def piece(self, data):
-        self.f.write(data)
-        self.count += 1
-        if self.count % 4 == 0:
-            self.f.flush()
-            os.fsync(self.f.fileno())
-        self.heartbeat()
+def _write_pieces(f, data, heartbeat):
+    """``data`` written to ``f`` in pieces of ``_PIECE_BYTES``, ``heartbeat()`` after each; fsync after
+    every 4 pieces' bytes (so that the last fsync stays short)."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), _PIECE_BYTES):
+        before = f.tell()
+        f.write(view[start : start + _PIECE_BYTES])
+        if before // (4 * _PIECE_BYTES) < f.tell() // (4 * _PIECE_BYTES):
+            f.flush()
+            os.fsync(f.fileno())
+        heartbeat()
 
 
 def _checkpoints_in(folder: Path) -> list:
@@ -292,7 +336,8 @@ def _verified(path: Path):
     except (RuntimeError, ValueError) as e:
         raise CheckpointError(f"{path} is incomplete or corrupt: {e}") from None
     damaged = CheckpointError(f"{path} is damaged: its metadata or header do not match their checksum")
-    if "header_crc32" in saved and saved["header_crc32"] != _header_crc(saved, arrays):
+    specs = {key: (a.dtype, a.shape) for key, a in arrays.items()}
+    if "header_crc32" in saved and saved["header_crc32"] != _header_crc(saved, specs):
         raise damaged
     try:
         meta = json.loads(saved["distributed_utils"])
@@ -309,12 +354,12 @@ def _verified(path: Path):
     if crcs is None or meta["format"] == _FORMAT_1:
         unverified = "checksums" if crcs is None else "a checksum of its metadata"
         warnings.warn(f"{path} was written without {unverified} (by an older version): loaded unverified")
-    for key, a in arrays.items():
-        if crcs is not None and zlib.crc32(np.asarray(bits(a))) != crcs.get(key):
+    keys = list(arrays)
+    for key in keys:  # (each array read, checked and let go; read again, lazily, as it is sent)
+        if crcs is not None and zlib.crc32(np.asarray(bits(arrays.pop(key)))) != crcs.get(key):
             raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
-    for key in json.loads(saved.get("float64", "[]")):
-        arrays[key] = arrays[key].view(mx.float64)
-    return arrays, meta
+    arrays, doubles = mx.load(str(path), format="safetensors"), json.loads(saved.get("float64", "[]"))
+    return {key: arrays[key].view(mx.float64) if key in doubles else arrays[key] for key in keys}, meta
 
 
 def _check_fits(path, section, saved, tree, exact=True):
@@ -343,6 +388,6 @@ def save_adapters(backend, path, model, config=None, *, trainable_only=True):
     path, shards = Path(path), _shards(backend, model, None, "save_adapters")
     config_file = path.parent / "adapter_config.json"
     write_config = None if config is None else lambda: config_file.write_text(json.dumps(config, indent=4))
-    params = model.trainable_parameters() if trainable_only else model.parameters()
-    arrays = dict(tree_flatten(fsdp.whole_tree(params, shards)))
-    _root_writes(backend, path, arrays, json.dumps({"format": "adapters"}), write_config)
+    arrays = dict(tree_flatten(model.trainable_parameters() if trainable_only else model.parameters()))
+    wholes = _wholes(arrays, shards, sectioned=False)
+    _root_writes(backend, path, arrays, wholes, json.dumps({"format": "adapters"}), write_config)

@@ -53,8 +53,7 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     check_same(backend, "du.fully_shard", {**settings, "reshard_after_forward": reshard_after_forward})
     shards = []
     for key, a in own:  # one parameter whole at a time
-        shards.append((key, mx.contiguous(shard_of(bcast(backend, a), backend.size, backend.rank))))
-        mx.eval(shards[-1][1])
+        shards.append((key, own_shard(bcast(backend, a), backend)))
     module.update(tree_unflatten(shards))
     shapes = {key: a.shape for key, a in own}
     recompute = reshard_after_forward and not nested  # (a unit holding units keeps its own, as FSDP2's root)
@@ -222,7 +221,12 @@ def whole_tree(tree, shards: dict):
 
 def shard_tree(tree, shards: dict):
     """``whole_tree``'s inverse, on this rank: this rank's shard of each whole array at a key of ``shards``."""
-    return _at_shards(tree, shards, lambda a, _, b: mx.contiguous(shard_of(a, b.size, b.rank)))
+    return _at_shards(tree, shards, lambda a, _, backend: own_shard(a, backend))
+
+
+def own_shard(a, backend):
+    """This rank's shard of ``a``, copied (``mx.contiguous`` may keep the whole array's memory)."""
+    return _detached(shard_of(a, backend.size, backend.rank))
 
 
 def whole_shapes(tree, shards: dict):

@@ -340,11 +340,12 @@ def test_a_rank_that_leaves_early_with_code_0_is_named(backend):  # d6
 SLOW_SAVE = """
 import time, mlx.core as mx, mlx.nn as nn, distributed_utils as du
 b = du.initialize()
-piece = du.checkpoint._Pieces.piece
-def slow(pieces, data):  # a checkpoint on slow storage: 0.6 s a piece of 64 KiB (the weight: 2 pieces)
-    time.sleep(0.6)
-    piece(pieces, data)
-du.checkpoint._Pieces.piece = slow
+write = du.checkpoint._write_pieces
+def slow(f, data, heartbeat):  # a checkpoint on slow storage: 0.6 s a piece of 64 KiB (the weight: 2 pieces)
+    for start in range(0, len(data), 2**14):
+        time.sleep(0.6)
+        write(f, data[start : start + 2**14], heartbeat)
+du.checkpoint._write_pieces = slow
 du.checkpoint._PIECE_BYTES = 2**16
 m = nn.Linear(128, 256)
 du.save_checkpoint(b, sys.argv[1], model=m, step=1)

@@ -184,6 +184,45 @@ def test_a_checkpoint_holds_the_whole_model_and_resumes_bit_for_bit(backend, tmp
         assert mx.array_equal(a, whole(again)[key]).item(), key
     saved = mx.load(path)  # the whole parameters, at their own keys (a plain safetensors file)
     assert saved["model.head.weight"].shape == (2, 5)
+    weights = du.bcast(backend, str(tmp_path / "weights.safetensors"))  # consolidated, as mlx-lm reads
+    du.save_adapters(backend, weights, model, trainable_only=False)
+    plain = net(seed=5).load_weights(weights)
+    for key, a in tree_flatten(plain.parameters()):
+        assert mx.array_equal(a, whole(model)[key]).item(), key
+
+
+@pytest.mark.world(min_size=2)
+def test_no_rank_holds_the_whole_model_to_save_or_load_it(backend, tmp_path, monkeypatch):
+    path = du.bcast(backend, str(tmp_path / "ck.safetensors"))
+
+    def trained(seed):  # 8 sharded layers of 32 KB, and Adam's m and v
+        mx.random.seed(seed)
+        layers = [du.fully_shard(backend, nn.Linear(90, 90, bias=False)) for _ in range(8)]
+        model, opt = (
+            du.fully_shard(backend, nn.Sequential(*layers)),
+            du.DistributedOptimizer(backend, optim.Adam(0.1)),
+        )
+        opt.update(model, nn.value_and_grad(model, lambda m: m(mx.ones((2, 90))).sum())(model)[1])
+        mx.eval(model.parameters(), opt.state)
+        return model, opt
+
+    def extra_peak(run):  # MLX's peak memory above what this rank held before
+        gc.collect()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        run()
+        return mx.get_peak_memory() - before
+
+    (model, opt), (again, opt2) = trained(0), trained(1)
+    saving = extra_peak(lambda: du.save_checkpoint(backend, path, model=model, optimizer=opt))
+    monkeypatch.setattr(du.checkpoint, "_PIECE_BYTES", 2**12)  # (sent back one array at a time)
+    loading = extra_peak(lambda: du.load_checkpoint(backend, path, model=again, optimizer=opt2))
+    everything, largest = 3 * 8 * 90 * 90 * 4, 90 * 90 * 4
+    assert saving < 4 * largest < everything / backend.size, (saving, largest, everything)
+    # loading: its new shards, and a few copies of the parameter in flight
+    assert loading < everything / backend.size + 8 * largest < everything, (loading, largest, everything)
+    for key, a in whole(model).items():
+        assert mx.array_equal(a, whole(again)[key]).item(), key
 
 
 def test_refused_where_it_cannot_be_right(backend):

@@ -40,28 +40,20 @@ rank = du.local_rank(backend)
 
 
 def crash_halfway_through_save(n):
-    """Die (exit 99) halfway through writing the n-th checkpoint, as a killed job would."""
-    saves, start = 0, du.checkpoint._Pieces.__init__
+    """Die (exit 99) halfway through writing the n-th checkpoint's first array, as a killed job would."""
+    files, write = [], du.checkpoint._write_pieces
 
-    def starting(pieces, f, heartbeat):
-        nonlocal saves
-        saves += 1
-        start(pieces, f, heartbeat)
-        if saves == n:  # MLX writes the header's size, the header, then each array: die in the first array
-            written = []
+    def dying(f, data, heartbeat):
+        if f not in files:  # (a save's file)
+            files.append(f)
+        if len(files) == n:
+            f.write(memoryview(data).cast("B")[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            os._exit(99)
+        write(f, data, heartbeat)
 
-            def dying(data):
-                written.append(data)
-                if len(written) == 3:
-                    f.write(memoryview(data).cast("B")[: len(data) // 2])
-                    f.flush()
-                    os.fsync(f.fileno())
-                    os._exit(99)
-                return f.write(data)
-
-            pieces.write = dying
-
-    du.checkpoint._Pieces.__init__ = starting
+    du.checkpoint._write_pieces = dying
 
 
 if os.environ.get("DU_TEST_CRASH_IN_CHECKPOINT"):
