@@ -4,6 +4,7 @@ and du.fully_shard (FSDP), side by side in one run, at N = 1, 2 and 4 ranks.
     python benchmarks/fsdp.py                       # options: --backend mpi --ns 1 2 4 --steps 4
     python benchmarks/fsdp.py --dims 512 --layers 8 --vocab 256   # blocks hold most parameters
     python benchmarks/fsdp.py --limit-mib 700 --ns 4 --modes replicated fsdp   # a per-rank limit
+    python benchmarks/fsdp.py --plot docs/images/fsdp.png    # and the table as a picture
 
 The model is examples/llama_tinystories.py's Llama (default 4 layers, 256 dims: 28.4M float32
 parameters, 91% of them in the embedding and output layers), AdamW, random tokens (2 x 64 a rank
@@ -91,6 +92,7 @@ def main():
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--limit-mib", type=int, default=0)
+    p.add_argument("--plot", help="a PNG of the table: MLX peak and step time by world size and mode")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # (a rank of one job)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -107,6 +109,7 @@ def main():
     print(
         f"{'ranks':>5} {'mode':<11}{'params/rank':>12}{'MLX peak MiB':>14}{'peak RSS MiB':>14}{'step s':>8}{'/ repl.':>8}{'loss':>9}"
     )
+    table = {}  # (n, mode): the job's result
     for n in args.ns:
         base = None
         for mode in args.modes:
@@ -126,13 +129,30 @@ def main():
                 last = (run.stdout + run.stderr).strip().splitlines()[-1:]
                 print(f"{n:>5} {mode:<11}failed (exit code {run.returncode}): {last[0] if last else ''}")
                 continue
-            r = json.loads(found.group(1))
+            r = table[n, mode] = json.loads(found.group(1))
             base = base or (r["step"] if mode == "replicated" else None)
             ratio = f"{r['step'] / base:.2f}" if base else ""
             print(
                 f"{n:>5} {mode:<11}{r['params_per_rank'] / 1e6:>11.2f}M{r['peak']:>14.1f}{r['rss']:>14.1f}{r['step']:>8.3f}{ratio:>8}{r['loss']:>9.4f}",
                 flush=True,
             )
+    if args.plot:
+        plot(args, table)
+
+
+def plot(args, table):
+    import plots
+
+    ns = [f"N = {n}" for n in args.ns]
+    base = {n: table.get((n, "replicated"), {}).get("step") for n in args.ns}
+    peak = {m: [table.get((n, m), {}).get("peak") for n in args.ns] for m in args.modes}
+    step = {
+        m: [table[n, m]["step"] / base[n] if (n, m) in table and base[n] else None for n in args.ns]
+        for m in args.modes
+    }
+    panels = [("MLX peak MiB per rank", ns, peak), ("step time / replicated's", ns, step)]
+    title = f"{args.backend}: Llama dims {args.dims}, {args.layers} layers, vocabulary {args.vocab}"
+    plots.bars(args.plot, title, panels)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Averaging a language model's gradients across ranks, four ways, side by side.
 
     python -m distributed_utils.launch -n 2 --backend mpi python benchmarks/gradient_reduction.py
-    (also --backend ring and --backend mlx-mpi; options: --reps 10 --warmup 3 --extra)
+    (also --backend ring and --backend mlx-mpi; options: --reps 10 --warmup 3 --extra
+    --plot docs/images/gradient_reduction.png: each backend's run adds its bars to the picture)
 
 The gradient tree has the parameter shapes of a small Llama (4 layers, dim 256, MLP 512, 4 heads,
 vocabulary 50257 with an untied LM head: 28.4M float32 values, 113 MB in 39 arrays), random and
@@ -78,6 +79,7 @@ def main():
     parser.add_argument(
         "--extra", action="store_true", help="also (c) with other bucket sizes and compression"
     )
+    parser.add_argument("--plot", help="a PNG: each backend's times as multiples of (d)'s, and busbw")
     args = parser.parse_args()
 
     backend = du.initialize()
@@ -162,6 +164,20 @@ def main():
     a, b, c, d = names[:4]
     ratio = lambda x, y: f"{med[x] / med[y]:.3f} (per run: {np.median(times[x] / times[y]):.3f})"  # noqa: E731
     print(f"c/d = {ratio(c, d)}   c/b = {ratio(c, b)}   a/c = {ratio(a, c)}")
+    if args.plot:
+        plot(args.plot, f"{type(backend).__name__} {n}", {name: med[name] for name in names[:4]}, nbytes, n)
+
+
+def plot(path, key, medians: dict, nbytes, n):
+    """Add this run's four methods to the picture at ``path``: time / (d)'s, and busbw."""
+    import plots
+
+    results = plots.remembered(path, key, medians)
+    methods = list(medians)
+    over_d = {run: [t[m] / t[methods[3]] for m in methods] for run, t in results.items()}
+    busbw = {run: [nbytes / t[m] / 1e9 * 2 * (n - 1) / n for m in methods] for run, t in results.items()}
+    panels = [("time / (d)'s (lower is better)", methods, over_d), ("busbw GB/s", methods, busbw)]
+    plots.bars(path, f"Averaging a small Llama's gradients ({nbytes / 1e6:.0f} MB), median of runs", panels)
 
 
 if __name__ == "__main__":

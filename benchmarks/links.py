@@ -2,6 +2,7 @@
 the veth between them shaped with tc's token bucket filter. Needs root, iproute2 and unshare.
 
     python benchmarks/links.py [--backends mpi ring] [--rates 10gbit 1gbit 100mbit] [--budget 45] [--configs ...]
+        [--plot docs/images/links]   (a picture of the loss against time for each backend and rate)
 
 1. The gradient reduction (``du.reduce_gradients``, 2 ranks, one per host) against the link's own
    limit, bytes x 2(N-1)/N / rate, as a ratio (1.0 is the wire's speed), float32 and bfloat16.
@@ -138,6 +139,7 @@ def main():
     p.add_argument(
         "--configs", nargs="+", default=list(CONFIGS), help="training runs (sync first: the target loss)"
     )
+    p.add_argument("--plot", help="PREFIX: PREFIX-{backend}-{rate}.png, the training loss against time")
     p.add_argument("--worker", nargs=argparse.REMAINDER)
     args = p.parse_args()
     if args.worker:
@@ -200,6 +202,14 @@ def main():
                         f"{r['loss']:.3f} | {when} |",
                         flush=True,
                     )
+                if args.plot:
+                    import plots
+
+                    curves = {name: r["trace"] for name, r in results.items()}
+                    title = (
+                        f"{backend}, 2 hosts joined by {rate}: training loss (moving average) against time"
+                    )
+                    plots.lines(f"{args.plot}-{backend}-{rate}.png", title, curves, "seconds", "loss")
 
 
 if __name__ == "__main__":

@@ -87,9 +87,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
             self._fragment_keys = _fragments(list(self._global.items()), self.fragments)
         self.outer_optimizer.state = outer
 
-    @property
-    def step(self) -> mx.array:
-        return mx.array(self._steps, mx.int64)
+    step = property(lambda self: mx.array(self._steps, mx.int64))
 
     learning_rate = property(
         lambda self: self.inner_optimizer.learning_rate,
@@ -102,8 +100,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
     def initialized(self) -> bool:
         return self._global is not None
 
-    shared_state = state.fget  # (synchronize sends root's whole state)
-    set_shared_state = state.fset
+    shared_state, set_shared_state = state.fget, state.fset  # (synchronize sends root's whole state)
 
     def init(self, parameters):
         """Local: start from ``parameters`` (those with gradients); the first ``update`` calls it."""
@@ -186,10 +183,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
     def _start(self, f, keys, local):
         """Collective: start averaging fragment ``f``'s pseudo-gradient (global minus local)."""
         pseudo = {k: self._global[k] - local[k] for k in keys}
-        weight = None if self._weights is None else self._weights[f]
-        self._started[f] = self.reduction.reduce(
-            pseudo, weight=weight, start=self.delay > 0, what="DiLoCo's sync"
-        )
+        w = None if self._weights is None else self._weights[f]
+        self._started[f] = self.reduction.reduce(pseudo, weight=w, start=self.delay > 0, what="DiLoCo's sync")
         if self._weights is not None:
             self._weights[f] = mx.array(0.0)
 

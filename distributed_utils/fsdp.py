@@ -51,10 +51,8 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     layout = [(k, a.shape, str(a.dtype)) for k, a in own]
     settings = {"parameters (key, shape, dtype)": layout, "compute_dtype": str(compute_dtype)}
     check_same(backend, "du.fully_shard", {**settings, "reshard_after_forward": reshard_after_forward})
-    shards = []
-    for key, a in own:  # one parameter whole at a time
-        shards.append((key, own_shard(bcast(backend, a), backend)))
-    module.update(tree_unflatten(shards))
+    # one parameter whole at a time: own_shard evaluates and copies this rank's shard before the next
+    module.update(tree_unflatten([(key, own_shard(bcast(backend, a), backend)) for key, a in own]))
     shapes = {key: a.shape for key, a in own}
     recompute = reshard_after_forward and not nested  # (a unit holding units keeps its own, as FSDP2's root)
     unit = _Unit(backend, shapes, compute_dtype, recompute, Reduction(backend, "avg"))
@@ -72,10 +70,7 @@ def _sharded_class(cls):
 def _own(module, parameter_filter=nn.Module.valid_parameter_filter) -> list:
     """``[(key, array)]``: ``module``'s parameters (by ``parameter_filter``: the trainable ones, say) that
     belong to no fully sharded submodule, whose own are not walked."""
-
-    def keep(m, k, v):
-        return not isinstance(v, FullyShardedModule) and parameter_filter(m, k, v)
-
+    keep = lambda m, k, v: not isinstance(v, FullyShardedModule) and parameter_filter(m, k, v)  # noqa: E731
     return tree_flatten(module.filter_and_map(keep))
 
 
@@ -298,11 +293,8 @@ def check_mlx_sharding(backend, model, who: str, replicated_ok=True):
     kinds = (mlx.FullyShardedModule, mlx.AllToShardedLinear, mlx.ShardedToAllLinear)
     kinds += (mlx.QuantizedAllToShardedLinear, mlx.QuantizedShardedToAllLinear)
     layers = model.named_modules() if isinstance(model, nn.Module) else []
-    found = [
-        (p, m)
-        for p, m in layers
-        if isinstance(m, kinds) and not (hasattr(m, "group") and m.group.size() == 1)
-    ]
+    found = [(p, m) for p, m in layers if isinstance(m, kinds)]
+    found = [(p, m) for p, m in found if not (hasattr(m, "group") and m.group.size() == 1)]
     if not found:
         return
     groups = [m.group.rank() for _, m in found if hasattr(m, "group")]  # (tensor parallel: a group each)

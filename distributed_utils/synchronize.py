@@ -117,9 +117,8 @@ class _Array:
 
 def _rebuilt(own, received: mx.array):
     """``received`` bits as an array of this rank's ``own`` kind, dtype and shape (root's: verified)."""
-    if isinstance(own, np.ndarray):
-        return np.array(received).view(own.dtype).reshape(own.shape)
-    return received.view(own.dtype).reshape(own.shape)
+    flat = np.array(received) if isinstance(own, np.ndarray) else received
+    return flat.view(own.dtype).reshape(own.shape)
 
 
 def _map(fn, tree):
