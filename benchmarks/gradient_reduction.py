@@ -176,7 +176,8 @@ def plot(path, key, medians: dict, nbytes, n):
     methods = list(medians)
     over_d = {run: [t[m] / t[methods[3]] for m in methods] for run, t in results.items()}
     busbw = {run: [nbytes / t[m] / 1e9 * 2 * (n - 1) / n for m in methods] for run, t in results.items()}
-    panels = [("time / (d)'s (lower is better)", methods, over_d), ("busbw GB/s", methods, busbw)]
+    labels = [m.replace(") ", ")\n", 1) for m in methods]
+    panels = [("time / (d)'s (lower is better)", labels, over_d), ("busbw GB/s", labels, busbw)]
     plots.bars(path, f"Averaging a small Llama's gradients ({nbytes / 1e6:.0f} MB), median of runs", panels)
 
 

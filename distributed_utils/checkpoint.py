@@ -117,8 +117,8 @@ def _root_writes(backend, path: Path, arrays: dict, wholes: dict, meta_json: str
                 produce(next(gathers))
 
     def write():
-        specs = {k: (a.dtype, wholes[k][0] if k in wholes else a.shape) for k, a in arrays.items()}
-        try:
+        try:  # (whatever fails, the others hear 0 and leave their loop)
+            specs = {k: (a.dtype, wholes[k][0] if k in wholes else a.shape) for k, a in arrays.items()}
             _write_atomically(path, specs, produce, meta_json, heartbeat, stale)
         finally:
             bcast(backend, np.array([0]), 0)

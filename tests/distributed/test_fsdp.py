@@ -225,6 +225,24 @@ def test_no_rank_holds_the_whole_model_to_save_or_load_it(backend, tmp_path, mon
         assert mx.array_equal(a, whole(again)[key]).item(), key
 
 
+def test_a_disk_that_fills_halfway_through_a_sharded_save_fails_on_every_rank(backend, tmp_path, monkeypatch):
+    folder = du.bcast(backend, str(tmp_path))
+    model, opt = sharded(backend, net()), du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    train(model, opt, batches(backend, steps=1)[1])
+    written = []
+
+    def full(f, data, heartbeat):  # rank 0's disk fills at the third array (others are gathering)
+        written.append(data)
+        if len(written) == 3:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(du.checkpoint, "_write_pieces", full)
+    with pytest.raises(du.CheckpointError, match="rank 0 could not write .*No space left on device"):
+        du.save_checkpoint(backend, f"{folder}/ck.safetensors", model=model, optimizer=opt)
+    assert du.allgather(backend, sorted(p.name for p in tmp_path.iterdir())) == [[]] * backend.size
+    train(model, opt, batches(backend, steps=1)[1])  # (the ranks are still in step)
+
+
 def test_refused_where_it_cannot_be_right(backend):
     _, mine = batches(backend, steps=1)
     model = sharded(backend, net())
