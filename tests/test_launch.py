@@ -46,6 +46,21 @@ def test_every_rank_runs_and_prefixes_its_output(backend, n):
         assert f"[rank {r}] {name} rank {r} of {n} total {n * (n + 1) // 2}" in run.stdout, run.stdout
 
 
+DEFAULTS = (
+    "import os; print('got', os.environ.get('GLIBC_TUNABLES'), os.environ.get('OMPI_MCA_btl_tcp_links'))"
+)
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_the_ranks_get_du_launchs_defaults_unless_the_user_set_them(backend):
+    tcp_links = "2" if backend == "mpi" else "None"  # (Open MPI's: for mpi and mlx-mpi only)
+    run = launch(2, backend, ["python", "-c", DEFAULTS], timeout=120)
+    assert run.stdout.count(f"] got glibc.malloc.hugetlb=1 {tcp_links}\n") == 2, run.stdout
+    mine = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "OMPI_MCA_btl_tcp_links": "3"}
+    run = launch(2, backend, ["python", "-c", DEFAULTS], timeout=120, env=mine)
+    assert run.stdout.count("] got glibc.malloc.arena_max=2 3\n") == 2, run.stdout
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_failing_rank_fails_the_job_with_its_code_and_is_named(backend):
     run = launch(3, backend, ["python", "-c", FAIL_ON_RANK_1], timeout=60)
