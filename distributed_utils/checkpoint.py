@@ -228,7 +228,7 @@ def _write_atomically(path: Path, specs: dict, produce, meta_json: str, heartbea
     doubles = [key for key, (dtype, _) in specs.items() if dtype == mx.float64]
     specs = {k: (mx.uint64 if k in doubles else dtype, shape) for k, (dtype, shape) in specs.items()}
     metadata = {"distributed_utils": meta_json, "float64": json.dumps(doubles)}
-    metadata["keys"] = json.dumps(list(specs))  # (MLX's header sorts them; trees come back in their order)
+    metadata["keys"] = json.dumps(list(specs))  # (mx.load's own order is not theirs)
     crcs = dict.fromkeys(specs, 2**32 - 1)  # (the widest: room for the header, written last)
     room = len(_header(specs, metadata, crcs)) + 10
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
