@@ -1,7 +1,6 @@
 """distributed_utils: Lux.jl's DistributedUtils for MLX. See README.md.
 
-PYTEST_DONT_REWRITE (its pytest plugin loads it; it holds no tests to rewrite)
-"""
+PYTEST_DONT_REWRITE (its pytest plugin loads it; it holds no tests to rewrite)"""
 
 from .collectives import (
     CollectiveMismatchError,

@@ -60,10 +60,11 @@ def save_checkpoint(
     ``step-{step}.safetensors`` files: the newest k by step stay, and a save's later steps
     (a trajectory left when the job resumed from an older one) are set aside as ``.superseded``."""
     check_backend(backend)
+    path = Path(path)
     if keep is not None:  # (the files' names sort by step)
         check_count(keep, 1, "save_checkpoint: keep")
         check_count(step, 0, "save_checkpoint(keep=...): step")
-        folder, path = Path(path), Path(path) / f"step-{step:012d}.safetensors"
+        folder, path = path, path / f"step-{step:012d}.safetensors"
     arrays, shards = {}, _shards(backend, model, optimizer, "save_checkpoint")
     if model is not None:  # (a fully sharded model's parameters and their state: shards, written whole)
         arrays.update(_flat("model", model.trainable_parameters() if trainable_only else model.parameters()))
@@ -87,9 +88,7 @@ def save_checkpoint(
             old.unlink()
 
     stale = ".step-*.safetensors.tmp-*" if keep is not None else None  # (in a keep folder: any step's)
-    _root_writes(
-        backend, Path(path), arrays, _wholes(arrays, shards), meta_json, prune if keep else None, stale
-    )
+    _root_writes(backend, path, arrays, _wholes(arrays, shards), meta_json, prune if keep else None, stale)
 
 
 def _root_writes(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then=None, stale=None):
@@ -172,12 +171,8 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
 
 def _shards(backend, model, optimizer, who) -> dict:
     """Collective: ``fsdp.sharded(model)``, once the model holds none of MLX's sharded layers."""
-    if model is None and optimizer is not None and fsdp.any_alive():
-        raise ValueError(
-            f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"
-        )
     fsdp.check_mlx_sharding(backend, model, who, replicated_ok=False)
-    return fsdp.sharded(model)
+    return fsdp.sharded(model, None if optimizer is None else who)
 
 
 def _wholes(keys, shards: dict, sectioned=True) -> dict:

@@ -26,12 +26,9 @@ class DistributedDataContainer:
     same length); then ``len()``, ``container[i]`` and iteration cover this rank's shard, locally."""
 
     def __init__(self, backend, data, *, collate=None, lengths=None):
-        self.backend = backend
-        self.rank = local_rank(backend)
+        self.backend, self.data, self.epoch = backend, data, 0
+        self.rank, self.world_size = local_rank(backend), total_workers(backend)
         self._label = f"DistributedDataContainer on rank {self.rank}"  # (errors name it)
-        self.world_size = total_workers(backend)
-        self.data = data
-        self.epoch = 0
         self._part = (self.world_size, None, 0)  # this epoch's batches(): world size, batch size, count
         self._before = []  # the parts of this epoch run before a restart at another world size or batch size
         self._resume = None  # load_state_dict's state, for the next batches()
@@ -65,9 +62,7 @@ class DistributedDataContainer:
 
     def _item(self, j):
         """Global item ``j``."""
-        if self._columns is not None:
-            return _map_fields(self._columns, lambda f: f[j])
-        return self.data[j]
+        return self.data[j] if self._columns is None else _map_fields(self._columns, lambda f: f[j])
 
     def __iter__(self):
         """This rank's items in order (counts may differ by one across ranks; ``batches``'s do not)."""
@@ -174,7 +169,6 @@ class DistributedDataContainer:
         order_of = dict(shuffle=how["shuffle"], seed=how["seed"], epoch=how["epoch"], done=before)
         if how["exactly_once"]:
             order, real = partition.exactly_once_indices(*where, **order_of)
-            mask = mx.array(real.astype(np.float32))
         else:
             order, real = partition.epoch_indices(*where, drop_last=how["drop_last"], **order_of), None
         if self._lengths is not None:
@@ -185,7 +179,7 @@ class DistributedDataContainer:
         starts = range(start * mine, len(order), mine)
         batches = (self._fetch(order[b : b + mine]) for b in starts)
         if real is not None:  # (batch, mask)
-            batches = zip(batches, (mask[b : b + mine] for b in starts))
+            batches = zip(batches, (mx.array(real[b : b + mine], mx.float32) for b in starts))
         return self._counted(how, before, batch_size, start, batches, auto)
 
     def _agreed_sizes(self, batch_size, share) -> list:

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from . import fsdp
+from . import fsdp, watchdog
 from .collectives import allgather, check_backend, check_count
 from .optimizer import check_start
 from .reduction import Pending, Reduction, as_weight
@@ -121,7 +121,6 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         and every rank's local parameters, inner state and weights, stacked in rank order."""
         if self._global is None:
             return self.state
-        # the averages of the fragments in flight (fragment_sync_delay), waited for now
         started = {k: a for pending in self._started.values() for k, a in pending.wait().items()}
         weights = mx.zeros((0,)) if self._weights is None else mx.stack(self._weights)
         mine = {"inner": self.inner_optimizer.state, "local": self._local, "weights": weights}
@@ -169,6 +168,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
             raise ValueError("DiLoCo: pass weight= to every update or to none")
         local = dict(tree_flatten(self.inner_optimizer.apply_gradients(gradients, parameters)))
         self._steps += 1
+        watchdog.stepped()
         for f, keys in enumerate(self._fragment_keys):
             if weight is not None:
                 self._weights[f] = self._weights[f] + as_weight(weight)

@@ -107,9 +107,8 @@ def _call(module, forward, args, kwargs):
     what = f"fully_shard({type(module).__name__})"
 
     def whole(shards, names):
-        cast = [
-            s.astype(unit.compute_dtype) if unit.compute_dtype and is_floating(s.dtype) else s for s in shards
-        ]
+        to = unit.compute_dtype
+        cast = [s.astype(to) if to and is_floating(s.dtype) else s for s in shards]
         return gather(unit.backend, cast, [unit.shapes[k] for k in names])
 
     def scattered(shards, cotangents):  # the shards' gradients
@@ -185,8 +184,13 @@ def _detached(a):
     return mx.array(to_numpy(a.view(bits)), bits).view(a.dtype)
 
 
-def sharded(model) -> dict:
-    """``{flat key: (whole shape, backend)}`` of ``model``'s shards."""
+def sharded(model, who=None) -> dict:
+    """``{flat key: (whole shape, backend)}`` of ``model``'s shards; with no model, for ``who`` (the caller,
+    given an optimizer) a ValueError while any module is fully sharded: the optimizer may hold shards."""
+    if model is None and who is not None and any_alive():
+        raise ValueError(
+            f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"
+        )
     out = {}
     if isinstance(model, nn.Module) and any_alive():  # (else no walk: every step asks)
         for path, m in model.named_modules():

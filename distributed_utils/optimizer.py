@@ -1,5 +1,4 @@
-"""``DistributedOptimizer``: a drop-in for any MLX optimizer that reduces the gradients across
-ranks first (Lux's and Horovod's ``DistributedOptimizer``): accumulate, reduce, apply."""
+"""``DistributedOptimizer`` (Lux's and Horovod's): any MLX optimizer, with gradients reduced across ranks."""
 
 import hashlib
 
@@ -9,7 +8,7 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from . import fsdp
+from . import fsdp, watchdog
 from .arrays import bits, evaluate, widened
 from .collectives import check_backend, check_count, check_same
 from .reduction import Reduction, as_weight, inverse
@@ -35,8 +34,7 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
             nothing and change nothing. The count lives in Python: keep ``update`` out of ``mx.compile``.
         shard_optimizer_state: each rank keeps the state of its shard of each parameter (ZeRO-1:
             reduce, step this rank's shards, all-gather the parameters); checkpoints hold the whole
-            state. For the element-by-element optimizers (``fsdp.ELEMENTWISE``).
-    """
+            state. For the element-by-element optimizers (``fsdp.ELEMENTWISE``)."""
 
     def __init__(
         self,
@@ -84,8 +82,6 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
             [(k, fsdp.shard_of(a, self.backend.size, self.backend.rank)) for k, a in leaves.items()]
         )
 
-    # --- the state (state.OptimizerState) ---------------------------------------------------
-
     def rule_name(self) -> str:
         return of(self.optimizer).rule_name()
 
@@ -107,8 +103,6 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
             self._layout = {k.rpartition(".")[0]: (a.shape, self.backend) for k, a in entries}
             state = fsdp.shard_tree(state, self._layout)
         self.state = state
-
-    # --- the steps -----------------------------------------------------------------------
 
     def update(self, model, gradients, weight=None):
         """Reduce ``gradients`` across ranks, then the wrapped optimizer updates ``model``.
@@ -144,6 +138,7 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         cycle = self._accumulate(gradients, weight)
         if cycle is None:
             return None
+        watchdog.stepped()
         gradients, scale, weight = cycle
         what = "DistributedOptimizer.update(grads)"
         if self.sharded:

@@ -7,14 +7,18 @@ which one failed in its own report).
 """
 
 import collections
+import contextlib
 import ctypes
+import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from .backends.contract import SIGNAL_EXIT, WATCHDOG_EXIT, read_record
 
@@ -74,6 +78,7 @@ class Report:
         self.lost_host = self.not_started = False  # not_started: mpirun could not start the job
         self.preempted = None  # the signal to du-launch that preempted the job
         self.preempted_ranks = {}  # the ranks whose du.preempted returned True: the signals each got
+        self.accounts = {}  # rank -> its account at exit: steps, seconds, collectives, bytes
         self.stopping = None  # the signal on which du-launch stops the job itself
         self.grace = None  # the timer that stops a preempted job after --grace
         self.failure = threading.Event()
@@ -85,6 +90,8 @@ class Report:
             event, rank = record.get("event"), record.get("rank") if rank is None else rank
             if event == "finished":
                 self.finished.add(rank)
+            elif event == "account":
+                self.accounts[rank] = record
             elif event == "preempted":
                 self.preempted_ranks[rank] = record.get("signals", [])
             elif event == "watchdog":
@@ -114,10 +121,8 @@ class Report:
     def watchdog_summary(self) -> str:
         text = f"the watchdog ended the job: ranks {sorted(self.watchdog)} waited past the timeout (see their reports)"
         if self.stopped:
-            return (
-                text
-                + f"; ranks {sorted(self.stopped)} had been stopped (SIGSTOP or frozen) while waiting: the cause"
-            )
+            text += f"; ranks {sorted(self.stopped)} had been stopped (SIGSTOP or frozen) while waiting: the cause"
+            return text
         silent = set(range(self.world_size)) - self.watchdog
         early, rest = sorted(self.finished & silent), sorted(silent - self.finished)
         if early:
@@ -125,6 +130,57 @@ class Report:
         if rest:
             text += f"; ranks {rest} did not report waiting: they are behind, stuck elsewhere, failed otherwise, or their report was lost"
         return text
+
+
+def show_account(report, timeline=None):
+    """The job's closing account: each rank's steps, its time computing and in collectives (from its first
+    to its last), of that waiting for the others (beyond the least a rank spent in them); the straggler;
+    the collectives' bus bandwidth. ``timeline``: the ranks' timelines merged there."""
+    ranks, n = report.accounts, report.world_size
+    if len(ranks) < n or n < 2:
+        return
+    computing = {r: a["seconds"] - a["collectives"] for r, a in sorted(ranks.items())}
+    least = min(a["collectives"] for a in ranks.values())  # (the straggler's: it waits for no one)
+    row = "rank {}: {} steps, {:.2f} s computing, {:.2f} s in collectives ({:.2f} s waiting for the others)"
+    for r, a in sorted(ranks.items()):
+        log(row.format(r, a["steps"], computing[r], a["collectives"], a["collectives"] - least))
+    slow = max(computing, key=computing.get)
+    others = max(statistics.median(c for r, c in computing.items() if r != slow), 1e-9)
+    straggler = slow if computing[slow] > 1.1 * others + 0.1 * ranks[slow]["seconds"] else None
+    if straggler is not None:
+        log(
+            f"rank {slow} is the straggler: it computes {computing[slow] / others:.2f}x as long as the others, "
+            "who wait for it; give it a smaller share (DistributedDataContainer.batches(share='auto')) or a "
+            "faster machine"
+        )
+    bus = statistics.median(a["bytes"] for a in ranks.values()) * 2 * (n - 1) / n / max(least, 1e-9) / 1e9
+    log(f"the collectives' bus bandwidth: {bus:.2f} GB/s (what the links can do: du-launch --check)")
+    if timeline:
+        merge_timeline(timeline, n, straggler)
+
+
+def merge_timeline(path, n, straggler=None):
+    """The ranks' timelines (``trace.rank-R.json``, those on this host) merged into ``path``, a row per
+    rank: the compute between collectives shown, and each collective's wait for the last rank to start it."""
+    files = [Path(f"{path.removesuffix('.json')}.rank-{r}.json") for r in range(n)]
+    merged, by_seq = [], collections.defaultdict(dict)  # a collective's number -> rank -> its event there
+    for r, events in [(r, json.loads(f.read_text())) for r, f in enumerate(files) if f.exists()]:
+        name = f"rank {r}" + (" (the straggler)" if r == straggler else "")
+        ours = [e for e in events if e["args"]["seq"]]
+        merged += [dict(name="process_name", ph="M", pid=r, args=dict(name=name)), *events]
+        merged += [
+            dict(a, name="compute", ts=a["ts"] + a["dur"], dur=b["ts"] - a["ts"] - a["dur"], args={})
+            for a, b in zip(ours, ours[1:])
+        ]
+        for e in ours:
+            by_seq[e["args"]["seq"]][r] = e
+    for started in by_seq.values():
+        last = max(started, key=lambda r: started[r]["ts"])
+        for e in started.values():
+            e["args"].update(waited_ms=(started[last]["ts"] - e["ts"]) / 1e3, for_rank=last)
+    Path(path).write_text(json.dumps({"traceEvents": merged}))
+    rows = sorted({e["pid"] for e in merged})
+    log(f"the timeline: {path} (open it in https://ui.perfetto.dev), with rows for ranks {rows}")
 
 
 def forward(stream, out, report, rank=None):
@@ -136,8 +192,7 @@ def forward(stream, out, report, rank=None):
     for line in _pieces(stream, tagged=rank is None):
         line_rank, from_rank = rank, True
         if rank is None:
-            m = _TAG.match(line)
-            if m:  # (mpirun's pseudo-terminal leaves a NUL when a rank aborts)
+            if m := _TAG.match(line):  # (mpirun's pseudo-terminal leaves a NUL when a rank aborts)
                 line_rank, line = int(m.group(1)), line[m.end() :].replace(b"\0", b"")
             else:  # the rest of a redrawn line, or mpirun's own
                 line_rank, from_rank = (last_rank, True) if redraw else (None, False)
@@ -171,10 +226,10 @@ def _pieces(stream, tagged=False):
 Failure = collections.namedtuple("Failure", "code rank how")
 
 
-def supervise(procs, world_size, tagged=False, report_dir=None, grace=0):
-    """Wait for every process; when one fails, stop the rest. Returns (exit code, Report,
-    Failure or None). ``tagged``: ``procs`` is one mpirun, which stops the ranks itself;
-    ``grace``: see ``stop_on_signals``."""
+def supervise(procs, world_size, env, tagged=False, grace=0):
+    """Wait for every process; when one fails, stop the rest; then the job's account. Returns (exit code,
+    Report, Failure or None). ``env``: what du-launch gave the ranks; ``tagged``: ``procs`` is one mpirun,
+    which stops the ranks itself; ``grace``: see ``stop_on_signals``."""
     report = Report(world_size)
     stop_on_signals(procs, report, grace)  # (before any output shows: a line seen means they are set)
     readers = {}  # rank (0 for mpirun) -> the threads reading its output
@@ -186,20 +241,22 @@ def supervise(procs, world_size, tagged=False, report_dir=None, grace=0):
             t.start()
             readers.setdefault(rank, []).append(t)
     failure = wait_mpirun(procs[0], report) if tagged else wait_ranks(procs, report, readers)
+    stop(procs)  # (the ranks left when one failed)
     if report.grace is not None:  # ended in time: the grace period no longer runs
         report.grace.cancel()
     deadline = time.monotonic() + GRACE_SECONDS  # for the output still in the pipes
     for t in [t for ts in readers.values() for t in ts]:  # (a process on a lost host may hold them open)
         t.join(timeout=max(0, deadline - time.monotonic()))
-    show_lost_reports(report, report_dir)
+    show_lost_reports(report, env["DU_REPORT_DIR"])
     if report.watchdog:
         log(report.watchdog_summary())
+    show_account(report, env.get("DU_TIMELINE"))
     return (0 if failure is None else failure.code), report, failure
 
 
 def wait_ranks(procs, report, readers):
     """The ring's processes, one per rank: wait until all exit 0 (None), or one fails: then let
-    the others that fail with it settle, name the cause, stop the rest (a Failure)."""
+    the others that fail with it settle, and name the cause (a Failure; ``supervise`` stops the rest)."""
     exits = []  # (rank, code), in the order the launcher saw them
     exited = threading.Condition()
 
@@ -217,9 +274,7 @@ def wait_ranks(procs, report, readers):
             return None
         exited.wait_for(lambda: len(exits) == len(procs), timeout=SETTLE_SECONDS)
     failures = [(r, c) for r, c in exits if c]
-    ended = _launchers_own(report, [-c for _, c in failures])
-    if ended is not None:
-        stop(procs)
+    if ended := _launchers_own(report, [-c for _, c in failures]):
         return ended
     deadline = time.monotonic() + SETTLE_SECONDS  # their last words say whether they only lost a peer
     for t in [t for r, _ in failures for t in readers[r]]:
@@ -233,11 +288,9 @@ def wait_ranks(procs, report, readers):
             f"rank {early[0]} exited with code 0 while the others still ran: it left the job early "
             f"(ranks {sorted(report.peer_lost)} lost it as a peer); stopping the other ranks"
         )
-        stop(procs)
         return Failure(exit_code(failures[0][1]), early[0], "left the job early (exit code 0)")
     rank, code = cause or failures[0]
     log(f"rank {rank} {how_it_ended(code)}; stopping the other ranks")
-    stop(procs)
     return Failure(exit_code(code), rank, how_it_ended(code))
 
 
@@ -253,8 +306,7 @@ def wait_mpirun(proc, report):
                 stop([proc], signals=(signal.SIGKILL,))
                 code = WATCHDOG_EXIT if report.watchdog else 1
                 return Failure(code, min(report.stopped, default=report.failed_rank), how_it_ended(code))
-    ended = _launchers_own(report, [report.signal])
-    if ended is not None:
+    if ended := _launchers_own(report, [report.signal]):
         return ended
     code = exit_code(proc.returncode)
     if code == 0 and report.lost_host:  # mpirun says so, then exits 0
@@ -298,15 +350,12 @@ def how_it_ended(code) -> str:
 def show_lost_reports(report, report_dir):
     """Show (and scan) the watchdog reports that ranks wrote to ``report_dir`` but whose
     output never reached the launcher (captured in the process, by pytest say)."""
-    if not report_dir or not os.path.isdir(report_dir):
-        return
-    for name in sorted(os.listdir(report_dir)):
-        m = re.fullmatch(r"rank-(\d+)\.report", name)
-        if m and int(m.group(1)) not in report.watchdog:
-            with open(os.path.join(report_dir, name), "rb") as f:
-                for line in f.read().splitlines(keepends=True):
-                    if report.scan(line, int(m.group(1)), True):
-                        log(f"[rank {m.group(1)}] {line.decode(errors='replace').rstrip()}")
+    for path in sorted(Path(report_dir).glob("rank-*.report")):
+        m = re.fullmatch(r"rank-(\d+)\.report", path.name)
+        if m and int(m[1]) not in report.watchdog:
+            for line in path.read_bytes().splitlines(keepends=True):
+                if report.scan(line, int(m[1]), True):
+                    log(f"[rank {m[1]}] {line.decode(errors='replace').rstrip()}")
 
 
 def stop(procs, signals=(signal.SIGTERM, signal.SIGKILL)):
@@ -315,17 +364,13 @@ def stop(procs, signals=(signal.SIGTERM, signal.SIGKILL)):
     for sig in signals:
         for p in procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, sig)
                     os.killpg(p.pid, signal.SIGCONT)  # a stopped process acts on signals only once continued
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + GRACE_SECONDS
         for p in procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
 
 
 def stop_on_signals(procs, report, grace=0):

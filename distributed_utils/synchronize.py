@@ -12,15 +12,9 @@ from . import fsdp
 from .arrays import UINT_BY_SIZE, bits, width
 from .collectives import bcast, check_root, root_runs
 from .state import of
-from .tree import (
-    BROADCAST_BUCKET_BYTES,
-    TreeMismatchError,
-    buckets,
-    describe,
-    pack,
-    unpack,
-    verify_same_structure,
-)
+from .tree import TreeMismatchError, buckets, describe, pack, unpack, verify_same_structure
+
+BROADCAST_BUCKET_BYTES = 16 * 2**20  # the buckets of bits: small enough to stay in MLX's buffer cache
 
 
 def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
@@ -53,20 +47,13 @@ def _synchronize_optimizer(backend, opt, root, model, what):
     state = of(opt)
     if model is not None and not state.initialized():
         opt.init(model.trainable_parameters())
-    if model is None and fsdp.any_alive():
-        raise ValueError(
-            f"{what}: pass model=: the state of a fully sharded model's shards stays on each rank"
-        )
+    hint = "call opt.init(model.trainable_parameters()) first, or pass model=model"
     try:
-        shared = _synchronize_unsharded(backend, state.shared_state(), fsdp.sharded(model), root, what)
+        shared = _synchronize_unsharded(backend, state.shared_state(), fsdp.sharded(model, what), root, what)
     except TreeMismatchError as e:
-        hint = "an optimizer not yet updated needs opt.init(model.trainable_parameters()) or model=model"
-        raise TreeMismatchError(f"{e}; {hint}") from None
+        raise TreeMismatchError(f"{e}; an optimizer not yet updated: {hint}") from None
     if not state.initialized():  # the same on every rank: their states have the same structure
-        raise ValueError(
-            f"{what}: the state is not initialized; call opt.init(model.trainable_parameters()) "
-            "first, or pass model=model"
-        )
+        raise ValueError(f"{what}: the state is not initialized; {hint}")
     if backend.rank != root:
         state.set_shared_state(shared)
     return opt

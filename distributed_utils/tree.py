@@ -9,8 +9,6 @@ from mlx.utils import tree_flatten, tree_map
 from .arrays import show, signature
 from .collectives import check_same
 
-BROADCAST_BUCKET_BYTES = 16 * 2**20  # synchronize's buckets: small enough to stay in MLX's buffer cache
-
 
 class TreeMismatchError(ValueError):
     """Ranks hold differently structured trees; raised on every rank with the same message."""

@@ -1,17 +1,20 @@
 """The watchdog: a collective that does not finish in time ends the job with a report, not a hang.
 
 A daemon thread checks the regions in flight (``Collective``, ``watch``): one past its timeout is reported;
-``GRACE`` seconds later (for the others' reports) ``os._exit(WATCHDOG_EXIT)``; the launcher stops the rest."""
+``GRACE`` seconds later (for the others' reports) ``os._exit(WATCHDOG_EXIT)``; the launcher stops the rest.
+At exit, the rank's account goes to du-launch (a record), and with ``DU_TIMELINE`` its timeline to a file."""
 
+import atexit
 import contextlib
 import faulthandler
+import json
 import os
 import sys
 import threading
 import time
 
 from .arrays import show, signature
-from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path
+from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path, say_record
 
 DEFAULT_TIMEOUT = 300.0
 GRACE = 2.0
@@ -24,6 +27,9 @@ class _State:
     seq = done = 0  # the last collective's sequence number on this rank, and the last that finished
     depth = 0  # 1 inside a collective: the collectives it makes itself are part of it
     waited = 0.0  # seconds spent in collectives
+    first = last = None  # when the first collective began, and the last ended
+    steps = sent = 0  # optimizer steps, and bytes given to collectives
+    timeline = None  # with DU_TIMELINE: (seq, what, start, end, bytes) of each collective and region
 
     def __init__(self):
         self.lock = threading.Lock()  # for starting the thread
@@ -78,14 +84,14 @@ class Collective:
     def __exit__(self, *exception):
         if self.start is not None:
             _state.depth = 0
-            del _state.inflight[self]
-            _state.waited += time.monotonic() - self.start
-            _state.done = self.seq
+            _finished(self)
+
+    def listed(self) -> list:
+        return self.arrays if isinstance(self.arrays, list) else [] if self.arrays is None else [self.arrays]
 
     def text(self, limit=None) -> str:
         """What reports show and debug mode checks: ``#5 allreduce(float32(3,), sum)`` (``limit`` arrays)."""
-        a = self.arrays
-        arrays = a if isinstance(a, list) else [] if a is None else [a]
+        arrays = self.listed()
         shown = [show(signature(a)) for a in arrays[:limit]]
         more = [f"... ({len(arrays)} arrays)"] if limit is not None and len(arrays) > limit else []
         return f"#{self.seq} {self.what}({', '.join(shown + more + list(self.details))})"
@@ -108,7 +114,7 @@ def watch(what: str, timeout=None):
     try:
         yield
     finally:
-        _state.inflight.pop(region, None)
+        _finished(region)
 
 
 @contextlib.contextmanager
@@ -136,9 +142,44 @@ def _register(region):
         _start_thread()
 
 
+def _finished(region):
+    """``region`` has ended: out of the watch; into the account (a collective: ``seq`` > 0) and timeline."""
+    end, nbytes = time.monotonic(), sum(getattr(a, "nbytes", 0) for a in region.listed())
+    _state.inflight.pop(region, None)
+    if region.seq:
+        _state.waited, _state.sent = _state.waited + end - region.start, _state.sent + nbytes
+        _state.done, _state.first, _state.last = region.seq, _state.first or region.start, end
+    if _state.timeline is not None:
+        _state.timeline.append((region.seq, region.what, region.start, end, nbytes))
+
+
+def stepped():
+    """Count one optimizer step of this rank, for its account."""
+    _state.steps += 1
+
+
+def _account():
+    """At exit: this rank's account (from its first collective to its last) for du-launch; with
+    ``DU_TIMELINE=trace.json``, its timeline in ``trace.rank-R.json`` (a Chrome trace; du-launch merges)."""
+    if _state.first is None:
+        return
+    seconds, r = _state.last - _state.first, launched_rank() if _state.rank is None else _state.rank
+    say_record("account", steps=_state.steps, seconds=seconds, collectives=_state.waited, bytes=_state.sent)
+    if _state.timeline is not None:  # (seq, what, start, end, bytes), on the wall clock: the hosts' agree
+        t0 = (time.time() - time.monotonic()) * 1e6
+        trace = [
+            dict(name=w, ph="X", ts=a * 1e6 + t0, dur=(b - a) * 1e6, pid=r, tid=0, args=dict(seq=s, bytes=n))
+            for s, w, a, b, n in _state.timeline
+        ]
+        with open(os.environ["DU_TIMELINE"].removesuffix(".json") + f".rank-{r}.json", "w") as f:
+            json.dump(trace, f)
+
+
 def _start_thread():
     with _state.lock:
         if _state.thread is None:
+            _state.timeline = [] if os.environ.get("DU_TIMELINE") else None
+            atexit.register(_account)
             _state.thread = threading.Thread(target=_watch_loop, name="du-watchdog", daemon=True)
             _state.thread.start()
 

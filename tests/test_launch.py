@@ -1,5 +1,7 @@
 """du-launch as a user runs it: results, rank prefixes, exit codes, concurrent jobs, bad arguments."""
 
+import collections
+import json
 import re
 import subprocess
 import sys
@@ -340,3 +342,51 @@ def test_mpirun_that_could_not_start_the_job_is_started_once_more(a_rank_ran, mo
         launch.main(["-n", "2", "--backend", "mpi", "python", "-c", "pass"])
     assert (ended.value.code, attempts) == ((213, [True]) if a_rank_ran else (0, [True, False]))
     assert ("starting it once more" in capsys.readouterr().err) is not a_rank_ran
+
+
+SLOWED = """
+import sys, time
+import mlx.core as mx, mlx.nn as nn, mlx.optimizers as optim
+import distributed_utils as du
+b = du.initialize()
+model = nn.Linear(64, 64)
+du.synchronize(b, model)
+opt = du.DistributedOptimizer(b, optim.SGD(0.01))
+loss_and_grad = nn.value_and_grad(model, lambda m, x: (m(x) ** 2).mean())
+for step in range(20):
+    if du.local_rank(b) == 2:
+        time.sleep(0.05)  # rank 2 is slowed: a slower machine
+    loss, grads = loss_and_grad(model, mx.ones((8, 64)))
+    opt.update(model, grads)
+    mx.eval(model.parameters())
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_account_and_the_timeline_name_the_slowed_rank(backend, tmp_path):
+    """#29: a 3-rank job with rank 2 slowed by 50 ms a step: du-launch's closing account names it the
+    straggler, the others waiting for it; the merged trace has one row per rank, rank 2's named so, the
+    compute between collectives, and the others' waits in the collectives for rank 2."""
+    trace = tmp_path / "trace.json"
+    run = launch(3, backend, ["--timeline", str(trace), "python", "-c", SLOWED], timeout=120)
+    assert run.returncode == 0, run.stdout
+    account = dict(re.findall(r"du-launch: rank (\d): 20 steps, ([\d.]+) s computing", run.stdout))
+    waiting = dict(re.findall(r"du-launch: rank (\d): .* \(([\d.]+) s waiting for the others\)", run.stdout))
+    assert set(account) == set(waiting) == {"0", "1", "2"}, run.stdout
+    assert float(account["2"]) >= 20 * 0.05 > max(float(account["0"]), float(account["1"])), run.stdout
+    assert float(waiting["2"]) == 0 and min(float(waiting["0"]), float(waiting["1"])) > 0.5, run.stdout
+    assert re.search(r"du-launch: rank 2 is the straggler: it computes [\d.]+x as long", run.stdout), (
+        run.stdout
+    )
+    events = json.loads(trace.read_text())["traceEvents"]
+    rows = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert rows == {0: "rank 0", 1: "rank 1", 2: "rank 2 (the straggler)"}, rows
+    reductions = [e for e in events if e["name"] == "allreduce_arrays" and e["args"]["bytes"] == 64 * 65 * 4]
+    assert {e["pid"] for e in reductions} == {0, 1, 2} and len(reductions) == 3 * 20
+    waited = collections.Counter()  # (rank, for whom) -> ms
+    for e in events:
+        if "waited_ms" in e.get("args", {}):
+            waited[e["pid"], e["args"]["for_rank"]] += e["args"]["waited_ms"]
+    assert min(waited[0, 2], waited[1, 2]) > 20 * 50 / 2 > waited[2, 0] + waited[2, 1], waited
+    computed = [e for e in events if e["name"] == "compute"]
+    assert {e["pid"] for e in computed} == {0, 1, 2} and all(e["dur"] >= 0 for e in computed)

@@ -5,9 +5,6 @@ import abc
 
 import mlx.core as mx
 
-#: The reductions a transport implements. Averaging is not one: it is a sum with a scale.
-OPS = ("sum", "max", "min", "prod")
-
 
 class BackendUnavailableError(RuntimeError):
     """The transport behind a backend cannot run on this machine or in this process."""
@@ -37,8 +34,8 @@ class AbstractBackend(abc.ABC):
 
     @abc.abstractmethod
     def allreduce(self, arrays: list, op: str, scale: float = 1.0, in_place: bool = False) -> list:
-        """Each array reduced over all ranks with ``op`` (``OPS``); sums (floating) times ``scale``,
-        before or after. ``in_place``: the arrays are handed over; results may go into them."""
+        """Each array reduced over all ranks by ``op`` ("sum", "max", "min", "prod"); sums (floating) times
+        ``scale``, before or after. ``in_place``: the arrays are handed over; results may go into them."""
 
     @abc.abstractmethod
     def bcast(self, x, root: int):

@@ -2,8 +2,7 @@
 
 Collectives are lazy graph nodes on the CPU stream (NCCL's on the GPU: on a Mac, macOS's GPU
 watchdog can kill a GPU stream that waits on the network). Broadcast is an integer all_sum of
-root's bits (exact for NaN payloads and -0.0); prod gathers and multiplies.
-"""
+root's bits (exact for NaN payloads and -0.0); prod gathers and multiplies."""
 
 import mlx.core as mx
 
@@ -64,13 +63,15 @@ class MLXBackend(AbstractBackend):
         return out
 
     def reduce_scatter(self, x, scale=1.0):
-        # The ring algorithm's N - 1 steps over send/recv: half an all-reduce's bytes (MLX's ring and
-        # MPI have no sum_scatter). Each step is evaluated, odd ranks receiving first, so that no two
-        # ranks wait on each other; while MLX traces, the all-reduce's part.
-        if self.size == 1 or not evaluate(x):
-            return super().reduce_scatter(x, scale)
-        n, r, c = self.size, self.rank, x.shape[0] // self.size
+        # NCCL's and JACCL's own sum_scatter (MLX's ring and MPI have none); else the ring algorithm's
+        # N - 1 steps over send/recv: half an all-reduce's bytes. Each step is evaluated, odd ranks
+        # receiving first, so that no two ranks wait on each other; while MLX traces, the all-reduce's part.
         x = x * scale if scale != 1.0 else x  # (before the sum, as allreduce: no sum overflows)
+        if self.mlx_name in ("nccl", "jaccl"):
+            return mx.distributed.sum_scatter(x, group=self.group, stream=self.stream)
+        if self.size == 1 or not evaluate(x):
+            return super().reduce_scatter(x)
+        n, r, c = self.size, self.rank, x.shape[0] // self.size
         part = lambda k: x[k % n * c : (k % n + 1) * c]  # noqa: E731
         total = part(r - 1)
         for step in range(n - 1):  # send the running sum of part r - step - 1 right, add part r - step - 2
@@ -121,26 +122,16 @@ class MLXMPIBackend(MLXBackend):
     prepare = staticmethod(contract.start_mlx_mpi)
 
 
-class _NativeReduceScatter:
-    """For the transports with ``mx.distributed.sum_scatter`` (the ring's and MPI's raise)."""
-
-    native_reduce_scatter = True
-
-    def reduce_scatter(self, x, scale=1.0):
-        x = x * scale if scale != 1.0 else x
-        return mx.distributed.sum_scatter(x, group=self.group, stream=self.stream)
-
-
-class NCCLBackend(_NativeReduceScatter, MLXBackend):
+class NCCLBackend(MLXBackend):
     """MLX's NCCL backend for NVIDIA GPUs (the CUDA build of MLX)."""
 
-    mlx_name, launch_name = "nccl", "nccl"
+    mlx_name, launch_name, native_reduce_scatter = "nccl", "nccl", True
     stream = None
     requires = "it needs the CUDA build of MLX (`pip install mlx[cuda]`) and NVIDIA GPUs"
 
 
-class JACCLBackend(_NativeReduceScatter, MLXBackend):
+class JACCLBackend(MLXBackend):
     """MLX's JACCL backend: RDMA over Thunderbolt 5 between Macs."""
 
-    mlx_name, launch_name = "jaccl", "jaccl"
+    mlx_name, launch_name, native_reduce_scatter = "jaccl", "jaccl", True
     requires = "it needs macOS with RDMA over Thunderbolt 5 (MLX_IBV_DEVICES set by mlx.launch)"
