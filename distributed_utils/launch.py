@@ -69,8 +69,10 @@ def run_job(hosts, command, args, attempt=0):
     """One attempt of the job: (exit code, Report, Failure or None)."""
     with tempfile.TemporaryDirectory(prefix="du-reports-") as report_dir:
         env = job_environment(args.backend, len(hosts), report_dir, args.timeout, args.debug, attempt)
-        if args.timeline:
+        if args.timeline:  # (the ranks' files of an earlier job: not this one's)
             env["DU_TIMELINE"] = os.path.abspath(args.timeline)
+            for stale in Path(env["DU_TIMELINE"]).parent.glob(Path(args.timeline).stem + ".rank-*.json"):
+                stale.unlink()
         if args.backend == "ring":
             return run_ring(hosts, command, env, args.remote_shell, args.port, args.grace)
         return run_mpirun(hosts, command, args, env)
@@ -161,6 +163,8 @@ def parse_args(argv):
         args.command = [sys.executable]
     if not args.command:
         p.error("no command given: du-launch -n 2 --backend ring python train.py")
+    if args.timeline and not Path(args.timeline).absolute().parent.is_dir():
+        p.error(f"--timeline {args.timeline}: no such folder {Path(args.timeline).absolute().parent}")
     if args.port is not None and not 0 < args.port < 65536:
         p.error(f"--port must be a port number, got {args.port}")
     if args.port is not None and args.backend != "ring":

@@ -132,13 +132,13 @@ class Report:
         return text
 
 
-def show_account(report, timeline=None):
+def show_account(report):
     """The job's closing account: each rank's steps, its time computing and in collectives (from its first
-    to its last), of that waiting for the others (beyond the least a rank spent in them); the straggler;
-    the collectives' bus bandwidth. ``timeline``: the ranks' timelines merged there."""
+    to its last), of that waiting for the others (beyond the least a rank spent in them); the straggler
+    (returned; None if none, or no account: a rank that did not exit normally); the bus bandwidth."""
     ranks, n = report.accounts, report.world_size
     if len(ranks) < n or n < 2:
-        return
+        return None
     computing = {r: a["seconds"] - a["collectives"] for r, a in sorted(ranks.items())}
     least = min(a["collectives"] for a in ranks.values())  # (the straggler's: it waits for no one)
     row = "rank {}: {} steps, {:.2f} s computing, {:.2f} s in collectives ({:.2f} s waiting for the others)"
@@ -155,14 +155,13 @@ def show_account(report, timeline=None):
         )
     bus = statistics.median(a["bytes"] for a in ranks.values()) * 2 * (n - 1) / n / max(least, 1e-9) / 1e9
     log(f"the collectives' bus bandwidth: {bus:.2f} GB/s (what the links can do: du-launch --check)")
-    if timeline:
-        merge_timeline(timeline, n, straggler)
+    return straggler
 
 
 def merge_timeline(path, n, straggler=None):
     """The ranks' timelines (``trace.rank-R.json``, those on this host) merged into ``path``, a row per
     rank: the compute between collectives shown, and each collective's wait for the last rank to start it."""
-    files = [Path(f"{path.removesuffix('.json')}.rank-{r}.json") for r in range(n)]
+    files = [Path(f"{os.path.splitext(path)[0]}.rank-{r}.json") for r in range(n)]
     merged, by_seq = [], collections.defaultdict(dict)  # a collective's number -> rank -> its event there
     for r, events in [(r, json.loads(f.read_text())) for r, f in enumerate(files) if f.exists()]:
         name = f"rank {r}" + (" (the straggler)" if r == straggler else "")
@@ -250,7 +249,9 @@ def supervise(procs, world_size, env, tagged=False, grace=0):
     show_lost_reports(report, env["DU_REPORT_DIR"])
     if report.watchdog:
         log(report.watchdog_summary())
-    show_account(report, env.get("DU_TIMELINE"))
+    straggler = show_account(report)
+    if env.get("DU_TIMELINE"):  # (also of a job that failed: the ranks that ended normally)
+        merge_timeline(env["DU_TIMELINE"], world_size, straggler)
     return (0 if failure is None else failure.code), report, failure
 
 

@@ -171,7 +171,7 @@ def _account():
             dict(name=w, ph="X", ts=a * 1e6 + t0, dur=(b - a) * 1e6, pid=r, tid=0, args=dict(seq=s, bytes=n))
             for s, w, a, b, n in _state.timeline
         ]
-        with open(os.environ["DU_TIMELINE"].removesuffix(".json") + f".rank-{r}.json", "w") as f:
+        with open(os.path.splitext(os.environ["DU_TIMELINE"])[0] + f".rank-{r}.json", "w") as f:
             json.dump(trace, f)
 
 

@@ -108,6 +108,10 @@ def test_two_jobs_at_once_do_not_cross_connect(backend):
         (["-n", "2"], "no command given"),
         (["-n", "2", "--backend", "tcp", "python"], "invalid choice: 'tcp'"),
         (["--hostfile", "/nonexistent/hosts", "python", "-c", "pass"], "No such file"),
+        (
+            ["--timeline", "/nonexistent/t.json", "python"],
+            "--timeline /nonexistent/t.json: no such folder /nonexistent",
+        ),
     ],
 )
 def test_bad_arguments_are_clear_errors(args, words):
@@ -390,3 +394,17 @@ def test_the_account_and_the_timeline_name_the_slowed_rank(backend, tmp_path):
     assert min(waited[0, 2], waited[1, 2]) > 20 * 50 / 2 > waited[2, 0] + waited[2, 1], waited
     computed = [e for e in events if e["name"] == "compute"]
     assert {e["pid"] for e in computed} == {0, 1, 2} and all(e["dur"] >= 0 for e in computed)
+
+
+def test_a_timeline_has_no_rows_from_an_earlier_job(tmp_path):
+    """A rank that writes no timeline (it ended without Python's exit) leaves no row; an earlier job's
+    file for its rank (here unreadable) is not merged: du-launch removes the files of earlier jobs."""
+    (tmp_path / "trace.rank-1.json").write_text("not a trace")
+    program = (
+        "import os, distributed_utils as du\nb = du.initialize()\ndu.barrier(b)\n"
+        "if du.local_rank(b) == 1:\n    os._exit(0)"
+    )
+    run = launch(2, "ring", ["--timeline", str(tmp_path / "trace.json"), "python", "-c", program], timeout=60)
+    assert run.returncode == 0 and "with rows for ranks [0]" in run.stdout, run.stdout
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0} and any(e["name"] == "barrier" for e in events), events
