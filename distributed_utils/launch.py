@@ -44,13 +44,16 @@ def main(argv=None):
         )
     if args.check:
         sys.exit(check(every_host, args))
-    for attempt in range(args.max_restarts + 1):
+    attempts = args.max_restarts + 1
+    for attempt in range(attempts):
+        if attempt:
+            log(f"restarting the job: attempt {attempt + 1} of {attempts} (DU_RESTART={attempt})")
         hosts = reachable(every_host, args)  # a host lost may come back
         code, report, failure = run_job(hosts, args.command, args, attempt)
         if report.not_started and not report.tails:  # no rank ran: nothing to lose by trying once more
             log("mpirun could not start the job (its PMIx server did not start); starting it once more")
             code, report, failure = run_job(hosts, args.command, args, attempt)
-        if report.preempted is not None or report.preempted_ranks:  # (du.preempted returned True)
+        if report.preempted is not None or report.records["preempted"]:  # (du.preempted returned True)
             ended = "ended within the grace period" if failure is None else f"then failed (exit code {code})"
             log(f"the job was preempted ({how_preempted(report)}) and {ended}")
             sys.exit(PREEMPTED_EXIT if failure is None else code)
@@ -58,10 +61,6 @@ def main(argv=None):
             sys.exit(0)
         if args.max_restarts:
             log(root_cause(attempt, hosts, report, failure))
-            if attempt < args.max_restarts:
-                log(
-                    f"restarting the job: attempt {attempt + 2} of {args.max_restarts + 1} (DU_RESTART={attempt + 1})"
-                )
     sys.exit(code)
 
 
@@ -73,16 +72,16 @@ def run_job(hosts, command, args, attempt=0):
             env["DU_TIMELINE"] = os.path.abspath(args.timeline)
             for stale in Path(env["DU_TIMELINE"]).parent.glob(Path(args.timeline).stem + ".rank-*.json"):
                 stale.unlink()
-        if args.backend == "ring":
-            return run_ring(hosts, command, env, args.remote_shell, args.port, args.grace)
-        return run_mpirun(hosts, command, args, env)
+        procs = (start_ring if args.backend == "ring" else start_mpirun)(hosts, command, args, env)
+        return supervise(procs, len(hosts), env, tagged=args.backend != "ring", grace=args.grace)
 
 
 def how_preempted(report) -> str:
     """Which signal preempted the job, and to whom."""
     if report.preempted is not None:
         return signal.Signals(report.preempted).name
-    got = "; ".join(f"{', '.join(s)} to rank {r}" for r, s in sorted(report.preempted_ranks.items()) if s)
+    ranks = sorted(report.records["preempted"].items())  # (the signals each got)
+    got = "; ".join(f"{', '.join(r['signals'])} to rank {rank}" for rank, r in ranks if r.get("signals"))
     return got or "a rank's du.preempted"
 
 
@@ -124,34 +123,22 @@ def parse_args(argv):
     p.add_argument("-n", type=at_least(1), help="number of processes (default: the hostfile's slots, else 1)")
     p.add_argument("--backend", choices=BACKENDS, default="mpi", help="transport (default: mpi)")
     p.add_argument("--hostfile", help="lines of 'HOST [slots=K]'; default: this machine")
-    p.add_argument(
-        "--remote-shell",
-        default=DEFAULT_REMOTE_SHELL,
-        help="prefix that runs a command on a host that is not this machine (default: 'ssh {host}'; "
-        "for mpi it must end with {host}: it becomes mpirun's ssh agent)",
-    )
+    shell = "prefix that runs a command on another host (default: 'ssh {host}'; mpi: must end with {host})"
+    p.add_argument("--remote-shell", default=DEFAULT_REMOTE_SHELL, help=shell)
     p.add_argument("--port", type=int, help="ring: rank r listens on port PORT + r (default: free ports)")
-    p.add_argument(
-        "--timeout", type=at_least(0, float), help="seconds before the watchdog ends a stuck job (DU_TIMEOUT)"
-    )
-    p.add_argument(
-        "--debug", action="store_true", help="check every collective across ranks first (DU_DEBUG=1)"
-    )
+    watchdog = "seconds before the watchdog ends a stuck job (DU_TIMEOUT)"
+    p.add_argument("--timeout", type=at_least(0, float), help=watchdog)
+    p.add_argument("--debug", action="store_true", help="check every collective across ranks (DU_DEBUG=1)")
     restarts = "after a failure, start the whole job again, up to K times (DU_RESTART: the attempt)"
     p.add_argument("--max-restarts", type=at_least(0), default=0, metavar="K", help=restarts)
-    fewer = (
-        "start (or restart) without the hosts that cannot be reached while M ranks are left (default: all)"
-    )
+    fewer = "start (or restart) without the hosts that cannot be reached if M ranks are left (default: all)"
     p.add_argument("--min-ranks", type=at_least(1), metavar="M", help=fewer)
     grace = (
         "after a SIGTERM or SIGUSR1 (preemption), forwarded to the ranks, wait this long for the job to end "
         f"before stopping it; exit code {PREEMPTED_EXIT} if it ended in time (default: 30; 0: stop at once)"
     )
     p.add_argument("--grace", type=at_least(0, float), default=30, metavar="SECONDS", help=grace)
-    check = (
-        "check instead of running: the same environment on every host (Python, libraries, the program), "
-        "and each link's all-reduce latency and bandwidth"
-    )
+    check = "check, not run: the same Python, libraries, program everywhere; each link's latency, bandwidth"
     p.add_argument("--check", action="store_true", help=check)
     timeline = "write every rank's collectives and compute, merged, to FILE (a Chrome trace; DU_TIMELINE)"
     p.add_argument("--timeline", metavar="FILE", default=os.environ.get("DU_TIMELINE"), help=timeline)
@@ -170,9 +157,7 @@ def parse_args(argv):
     if args.port is not None and args.backend != "ring":
         p.error("--port is for --backend ring (mpirun chooses its own ports)")
     if args.backend != "ring" and not args.remote_shell.rstrip().endswith("{host}"):
-        p.error(
-            "with --backend mpi or mlx-mpi, --remote-shell must end with {host}: mpirun appends the command"
-        )
+        p.error("with --backend mpi or mlx-mpi, --remote-shell must end with {host}: mpirun adds the command")
     return args
 
 
@@ -290,23 +275,22 @@ def environments(hosts, args) -> dict:
 # --- ring: the launcher starts every process itself ------------------------------------
 
 
-def run_ring(hosts, command, env, remote_shell, port=None, grace=0):
+def start_ring(hosts, command, args, env) -> list:
     ips = [resolve(h) for h in hosts]
-    ports = fixed_ports(ips, port) if port is not None else free_ports(ips)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="du-ring-") as hostfile:
-        json.dump([[f"{ip}:{port}"] for ip, port in zip(ips, ports)], hostfile)
-        hostfile.flush()
-        procs = []
-        for rank, (host, ip) in enumerate(zip(hosts, ips)):  # (a ring of one cannot connect to itself)
-            rank_env = {**env, **ring_rank_environment(rank, hostfile.name if len(hosts) > 1 else None)}
-            if is_local(ip):
-                procs.append(spawn(command, {**os.environ, **rank_env}))
-            else:
-                exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in rank_env.items())
-                remote = f"cd {shlex.quote(os.getcwd())} && env {exports} {shlex.join(command)}"
-                procs.append(spawn(shlex.split(remote_shell.format(host=host)) + [remote], None))
-                procs[-1].remote = True  # (preemption does not signal it: see stop_on_signals)
-        return supervise(procs, len(hosts), env, grace=grace)
+    ports = fixed_ports(ips, args.port) if args.port is not None else free_ports(ips)
+    hostfile = Path(env["DU_REPORT_DIR"], "ring.json")  # (the job's folder: removed with it)
+    hostfile.write_text(json.dumps([[f"{ip}:{port}"] for ip, port in zip(ips, ports)]))
+    procs = []
+    for rank, (host, ip) in enumerate(zip(hosts, ips)):  # (a ring of one cannot connect to itself)
+        rank_env = {**env, **ring_rank_environment(rank, str(hostfile) if len(hosts) > 1 else None)}
+        if is_local(ip):
+            procs.append(spawn(command, {**os.environ, **rank_env}))
+        else:
+            exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in rank_env.items())
+            remote = f"cd {shlex.quote(os.getcwd())} && env {exports} {shlex.join(command)}"
+            procs.append(spawn(shlex.split(args.remote_shell.format(host=host)) + [remote], None))
+            procs[-1].remote = True  # (preemption does not signal it: see stop_on_signals)
+    return procs
 
 
 def resolve(host):
@@ -349,7 +333,7 @@ def fixed_ports(ips, base):
 # --- mpi and mlx-mpi: mpirun starts the processes -------------------------------------
 
 
-def run_mpirun(hosts, command, args, env):
+def start_mpirun(hosts, command, args, env) -> list:
     cmd = [find_mpirun(), "-n", str(len(hosts)), "--output", "tag"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
@@ -359,23 +343,20 @@ def run_mpirun(hosts, command, args, env):
         cmd += ["--mca", "plm_ssh_agent", args.remote_shell.rstrip().removesuffix("{host}").strip()]
     for key in env:
         cmd += ["-x", key]
-    # A Python command runs through distributed_utils.run, which aborts the MPI job when the rank fails
-    # (instead of hanging in MPI_Finalize); other commands run as they are.
+    # A Python command runs through distributed_utils.run (a failed rank aborts the job); others as they are
     python, options, rest = split_command(command)
     if python is not None and rest and rest[0] != "-":
         command = [python, *options, "-m", "distributed_utils.run", *rest]
-    with tempfile.NamedTemporaryFile("w", prefix="du-hosts-") as hostfile:
-        if args.hostfile:
-            # Each host with exactly the ranks it gets, unbound (there may be more than cores):
-            # with --oversubscribe mpirun would put every rank on the first host.
-            hostfile.write("".join(f"{h} slots={hosts.count(h)}\n" for h in dict.fromkeys(hosts)))
-            hostfile.flush()
-            cmd += ["--hostfile", hostfile.name, "--bind-to", "none"]
-        else:
-            cmd.append("--oversubscribe")
-        # SIGTERM, not SIGKILL, when du-launch dies: mpirun then stops the ranks itself
-        proc = spawn(cmd + command, {**os.environ, **env}, die_with_launcher=signal.SIGTERM)
-        return supervise([proc], len(hosts), env, tagged=True, grace=args.grace)
+    if args.hostfile:
+        # Each host with exactly the ranks it gets, unbound (there may be more than cores):
+        # with --oversubscribe mpirun would put every rank on the first host.
+        hostfile = Path(env["DU_REPORT_DIR"], "hosts")
+        hostfile.write_text("".join(f"{h} slots={hosts.count(h)}\n" for h in dict.fromkeys(hosts)))
+        cmd += ["--hostfile", str(hostfile), "--bind-to", "none"]
+    else:
+        cmd.append("--oversubscribe")
+    # SIGTERM, not SIGKILL, when du-launch dies: mpirun then stops the ranks itself
+    return [spawn(cmd + command, {**os.environ, **env}, die_with_launcher=signal.SIGTERM)]
 
 
 def find_mpirun():

@@ -35,11 +35,11 @@ def main(argv):
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` does
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if status and not isinstance(e.code, int):
+        if not isinstance(e.code, (int, type(None))):  # a message: exit status 1
             print(e.code, file=sys.stderr)
-        if status:
-            abort_mpi(status)
+            abort_mpi(1)
+        elif e.code:
+            abort_mpi(e.code)
         say_finished()
         raise
     except BaseException as e:

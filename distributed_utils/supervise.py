@@ -1,10 +1,5 @@
 """Supervising a job's processes: their output, prefixed with its rank; which rank failed
-first, and how; stopping every process when one fails, or when the launcher is stopped.
-
-``supervise`` serves both ways of starting a job: the ring's (one process per rank, started
-by du-launch) and mpirun's (one mpirun, which starts and stops the ranks itself and says
-which one failed in its own report).
-"""
+first, and how; stopping every process when one fails, or when the launcher is stopped."""
 
 import collections
 import contextlib
@@ -42,8 +37,10 @@ _print_lock = threading.RLock()  # (reentrant: a signal handler may log while th
 
 
 def spawn(argv, env, *, die_with_launcher=signal.SIGKILL):
-    """Start ``argv`` in a session of its own, its output piped to the launcher. On Linux it
-    gets ``die_with_launcher`` when the launcher dies, even by SIGKILL (prctl PDEATHSIG)."""
+    """Start ``argv`` in a session of its own, its output piped to the launcher. On Linux it gets
+    ``die_with_launcher`` when the launcher dies, even by SIGKILL (prctl 1: PR_SET_PDEATHSIG); elsewhere
+    the ranks notice their parent's death themselves (run.py)."""
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
     try:
         return subprocess.Popen(
             argv,
@@ -51,34 +48,26 @@ def spawn(argv, env, *, die_with_launcher=signal.SIGKILL):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_parent_death_signal(die_with_launcher),
+            preexec_fn=(lambda: libc.prctl(1, int(die_with_launcher), 0, 0, 0)) if libc else None,
         )
     except FileNotFoundError as e:
         raise SystemExit(f"du-launch: cannot run {argv[0]!r}: {e.strerror}") from None
 
 
-def _parent_death_signal(sig):
-    if not sys.platform.startswith("linux"):
-        return None  # elsewhere the ranks notice their parent's death themselves (run.py)
-    libc = ctypes.CDLL(None, use_errno=True)
-    return lambda: libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 class Report:
     """What the job's output says of it: the last lines of each rank; the records of the ranks
-    (``contract.record``): which finished, which the watchdog ended (and which of those had been
-    stopped), which were preempted; which lost a peer; and, from mpirun's own report, which rank
-    failed and how."""
+    (``contract.record``: which finished, gave their account, were preempted, ...); which ranks the
+    watchdog ended (and which of those had been stopped); which lost a peer; and, from mpirun's own
+    report, which rank failed and how."""
 
     def __init__(self, world_size):
         self.world_size = world_size
         self.tails = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
-        self.finished, self.peer_lost, self.watchdog, self.stopped = set(), set(), set(), set()
+        self.records = collections.defaultdict(dict)  # event -> rank -> the rank's record of it
+        self.peer_lost, self.watchdog, self.stopped = set(), set(), set()
         self.failed_rank = self.signal = None
         self.lost_host = self.not_started = False  # not_started: mpirun could not start the job
         self.preempted = None  # the signal to du-launch that preempted the job
-        self.preempted_ranks = {}  # the ranks whose du.preempted returned True: the signals each got
-        self.accounts = {}  # rank -> its account at exit: steps, seconds, collectives, bytes
         self.stopping = None  # the signal on which du-launch stops the job itself
         self.grace = None  # the timer that stops a preempted job after --grace
         self.failure = threading.Event()
@@ -88,13 +77,8 @@ class Report:
         record = read_record(line)
         if record is not None:  # (the rank whose stream it came in, not what it says)
             event, rank = record.get("event"), record.get("rank") if rank is None else rank
-            if event == "finished":
-                self.finished.add(rank)
-            elif event == "account":
-                self.accounts[rank] = record
-            elif event == "preempted":
-                self.preempted_ranks[rank] = record.get("signals", [])
-            elif event == "watchdog":
+            self.records[event][rank] = record
+            if event == "watchdog":
                 self.watchdog.add(rank)
                 if record.get("stopped"):
                     self.stopped.add(rank)
@@ -123,8 +107,8 @@ class Report:
         if self.stopped:
             text += f"; ranks {sorted(self.stopped)} had been stopped (SIGSTOP or frozen) while waiting: the cause"
             return text
-        silent = set(range(self.world_size)) - self.watchdog
-        early, rest = sorted(self.finished & silent), sorted(silent - self.finished)
+        silent, finished = set(range(self.world_size)) - self.watchdog, set(self.records["finished"])
+        early, rest = sorted(finished & silent), sorted(silent - finished)
         if early:
             text += f"; ranks {early} had already finished their program: they left the job early"
         if rest:
@@ -136,7 +120,7 @@ def show_account(report):
     """The job's closing account: each rank's steps, its time computing and in collectives (from its first
     to its last), of that waiting for the others (beyond the least a rank spent in them); the straggler
     (returned; None if none, or no account: a rank that did not exit normally); the bus bandwidth."""
-    ranks, n = report.accounts, report.world_size
+    ranks, n = report.records["account"], report.world_size
     if len(ranks) < n or n < 2:
         return None
     computing = {r: a["seconds"] - a["collectives"] for r, a in sorted(ranks.items())}
