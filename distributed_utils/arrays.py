@@ -18,7 +18,6 @@ NARROW_FLOATS = (mx.float16, mx.bfloat16)
 
 
 def widened(a):
-    """``a`` in float32 if its dtype is one of ``NARROW_FLOATS``, else ``a``."""
     return a.astype(mx.float32) if a.dtype in NARROW_FLOATS else a
 
 
@@ -34,8 +33,10 @@ def is_floating(dtype) -> bool:
     return dtype.kind in "fc" if isinstance(dtype, np.dtype) else mx.issubdtype(dtype, mx.inexact)
 
 
-def to_mx(a: np.ndarray) -> mx.array:
-    """A copy of ``a`` as an mx.array of its dtype (``mx.array`` alone makes float64 float32)."""
+def to_mx(a) -> mx.array:
+    """Numpy ``a`` copied as an mx.array of its dtype (``mx.array`` makes float64 float32); else ``a``."""
+    if not isinstance(a, np.ndarray):
+        return a
     contiguous = a if a.flags.c_contiguous else np.ascontiguousarray(a)  # (which makes 0-d 1-d)
     return mx.array(contiguous, dtype=MX_BY_NUMPY[a.dtype])
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import fsdp
+from . import fsdp, watchdog
 from .arrays import MX_DTYPES, bits, show, signature, to_mx
 from .collectives import allgather, bcast, check_backend, check_count, root_runs
 from .state import of
@@ -37,6 +37,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read, or does not fit the model; raised on every rank."""
 
 
+@watchdog.watch("save_checkpoint", timeout=0)  # (a region of the timeline; its collectives are watched)
 def save_checkpoint(
     backend,
     path,
@@ -127,6 +128,7 @@ def _root_writes(backend, path: Path, arrays: dict, wholes: dict, meta_json: str
     root_runs(backend, write, 0, CheckpointError, f"write {path}")
 
 
+@watchdog.watch("load_checkpoint", timeout=0)
 def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     """Collective: rank 0 reads ``path`` (a ``keep`` directory: its newest intact one; newer damaged ones
     set aside as ``.damaged``) into ``model`` (in place), ``optimizer``, ``data`` and each rank's random
@@ -199,7 +201,7 @@ def _delivered(backend, arrays, saved: dict, shards: dict) -> dict:
 def _flat(section, tree) -> dict:
     flat = {}
     for key, leaf in tree_flatten(tree):
-        leaf = to_mx(leaf) if isinstance(leaf, np.ndarray) else leaf
+        leaf = to_mx(leaf)
         if not isinstance(leaf, mx.array):
             raise TypeError(
                 f"save_checkpoint: {section} leaf '{key}' is a {type(leaf).__name__}, not an array; "

@@ -34,7 +34,7 @@ def bcast(backend, x, root: int = 0):
     if not isinstance(x, (mx.array, np.ndarray)):
         return _objects(backend, x, root)[0]
     arr, back = _as_array(x)
-    return back(_door(backend, "bcast", _mx(arr), lambda a: backend.bcast(a, root), f"root={root}"))
+    return back(_door(backend, "bcast", to_mx(arr), lambda a: backend.bcast(a, root), f"root={root}"))
 
 
 def allreduce(backend, x, op):
@@ -57,7 +57,7 @@ def allreduce(backend, x, op):
     if op in ("max", "min") and is_floating(arr.dtype) and "complex" in str(arr.dtype):  # (mx or numpy dtype)
         raise TypeError(f"op {op!r} is not defined for complex numbers ({arr.dtype})")
     bools, nan_wins = arr.dtype in _BOOLS, op in ("max", "min") and is_floating(arr.dtype)
-    arr = _mx(arr) if bools or nan_wins or not backend.host_buffers else arr  # (else MPI on numpy's memory)
+    arr = to_mx(arr) if bools or nan_wins or not backend.host_buffers else arr  # (else MPI on numpy's memory)
     if bools:  # as bytes: MPI aborts on bools
         op = "max" if op in ("sum", "max") else "min"
         return back(_reduce(backend, "allreduce", [arr.astype(mx.uint8)], op)[0].astype(mx.bool_))
@@ -97,8 +97,7 @@ def allgather(backend, x):
     if not isinstance(x, (mx.array, np.ndarray)):
         return _objects(backend, x)
     arr, back = _as_array(x)
-    arr = _mx(arr.reshape(1) if arr.ndim == 0 else arr)
-    return back(_door(backend, "allgather", arr, backend.allgather))
+    return back(_door(backend, "allgather", mx.atleast_1d(to_mx(arr)), backend.allgather))
 
 
 def barrier(backend):
@@ -205,9 +204,7 @@ def _objects(backend, obj, root=None) -> list:
                 "collective (a rank made one collective more or fewer than the others; DU_DEBUG=1 names it)"
             )
         sizes = pairs[:, 1]
-        padded = np.zeros((1, int(sizes.max())), np.uint8)
-        padded[0, : payload.size] = payload
-        rows = send(padded)
+        rows = send(np.pad(payload, (0, int(sizes.max()) - payload.size))[None])  # (zeros after each payload)
         received = [(obj, None)] if backend.rank == root else [_unpickled(r[:n]) for r, n in zip(rows, sizes)]
         error = error or next((e for _, e in received if e is not None), None)
         failed = allgather(backend, np.array([error is not None]))
@@ -276,10 +273,6 @@ def _as_array(x):
     if isinstance(x, int) and not isinstance(x, bool) and arr.dtype != np.int64:
         raise TypeError(f"the integer {x} does not fit in int64")
     return check_travels(arr), lambda r: type(x)(to_numpy(r).item())
-
-
-def _mx(arr):
-    return to_mx(arr) if isinstance(arr, np.ndarray) else arr
 
 
 def check_backend(backend) -> AbstractBackend:

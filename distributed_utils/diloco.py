@@ -94,9 +94,6 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         lambda self, v: setattr(self.inner_optimizer, "learning_rate", v),
     )
 
-    def rule_name(self) -> str:
-        return "DiLoCo"
-
     def initialized(self) -> bool:
         return self._global is not None
 
@@ -180,6 +177,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         self._local = local
         return tree_unflatten(list(local.items()))
 
+    @watchdog.watch("DiLoCo sync: start", timeout=0)  # (regions of the timeline)
     def _start(self, f, keys, local):
         """Collective: start averaging fragment ``f``'s pseudo-gradient (global minus local)."""
         pseudo = {k: self._global[k] - local[k] for k in keys}
@@ -188,6 +186,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         if self._weights is not None:
             self._weights[f] = mx.array(0.0)
 
+    @watchdog.watch("DiLoCo sync: outer step", timeout=0)
     def _sync(self, f, local) -> dict:
         """Collective: fragment ``f``'s parameters after its outer step (global, or mixed: ``alpha``)."""
         averaged = self._started.pop(f).wait()

@@ -82,7 +82,6 @@ def shard_of(a, size: int, rank: int) -> mx.array:
 
 
 def _padded(flat, size: int):
-    """``flat`` and zeros after it, to a multiple of ``size`` elements."""
     pad = -flat.size % size
     return mx.concatenate([flat, mx.zeros((pad,), flat.dtype)]) if pad else flat
 

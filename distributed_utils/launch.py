@@ -13,6 +13,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import ipaddress
+import itertools
 import json
 import os
 import re
@@ -93,10 +94,31 @@ def check(every_host, args) -> int:
     python = split_command(args.command)[0] or sys.executable
     unique = list(dict.fromkeys(hosts))
     pairs = [hosts] if len(unique) == 1 else [[a, b] for i, a in enumerate(unique) for b in unique[i + 1 :]]
+    measure = [python, "-m", "distributed_utils.preflight", "--measure"]
     for group in pairs:
-        if code := run_job(group, [python, "-m", "distributed_utils.preflight", "--measure"], args)[0]:
+        code, report, _ = run_job(group, measure, args)
+        if code:
             return code
+        if len(unique) > 1:
+            faster_paths(group, report.records["measured"][0]["gbps"], measure, args)
     return 0
+
+
+def faster_paths(pair, named, measure, args):
+    """Measure (a ring job each) every other way the two hosts of ``pair`` reach each other, each pair of
+    their addresses on one network; warn of one faster than ``named`` GB/s, their hostfile names' path."""
+    (a, b), envs, used = pair, environments(pair, args), {resolve(h) for h in pair}
+    ring = argparse.Namespace(**{**vars(args), "backend": "ring", "port": None, "timeout": PROBE_SECONDS})
+    for i, j in itertools.product(*[map(ipaddress.ip_interface, envs[h]["addresses"]) for h in pair]):
+        if i.network != j.network or {str(i.ip), str(j.ip)} == used:
+            continue
+        log(f"measuring another path between {a} and {b}: {i.ip} <-> {j.ip} (a ring job)")
+        report = run_job([str(i.ip), str(j.ip)], measure, ring)[1]
+        if (faster := report.records["measured"].get(0, {}).get("gbps", 0)) > 1.2 * named:
+            log(
+                f"{i.ip} <-> {j.ip} is faster than the hostfile's {a} <-> {b}: {faster:.2f} GB/s against "
+                f"{named:.2f}; to use it, write {j.ip} for {b} in the hostfile (and {i.ip} for {a})"
+            )
 
 
 def root_cause(attempt, hosts, report, failure) -> str:

@@ -35,7 +35,6 @@ def share_sizes(batch_size: int, shares) -> list:
 
 
 def size_of(batch_size, rank) -> int:
-    """Rank's batch size: ``batch_size``, or its entry when that is every rank's list."""
     return batch_size[rank] if isinstance(batch_size, list) else batch_size
 
 

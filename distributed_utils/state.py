@@ -10,10 +10,11 @@ from mlx.optimizers import MultiOptimizer, Optimizer
 
 
 class OptimizerState:
-    """What ``synchronize`` and checkpoints ask of an optimizer: every method, each subclass defines."""
+    """What ``synchronize`` and checkpoints ask of optimizers: subclasses define the methods with no body."""
 
     def rule_name(self) -> str:
-        """The update rule's class name, which a checkpoint records and checks at load."""
+        """The update rule's class name (by default this class's), which a checkpoint records and checks."""
+        return type(self).__name__
 
     def initialized(self) -> bool:
         """Whether the state holds its per-parameter entries (after ``init`` or an update)."""
@@ -61,12 +62,10 @@ def of(optimizer) -> OptimizerState:
 
 
 def scalars(state: dict) -> dict:
-    """The entries of ``state`` that are not per parameter (step, learning rate)."""
     return {k: v for k, v in state.items() if not isinstance(v, (dict, list, tuple))}
 
 
 def has_entries(state: dict) -> bool:
-    """Whether ``state`` holds per-parameter entries (more than its scalars)."""
     return len(scalars(state)) < len(state)
 
 

@@ -117,11 +117,11 @@ class Report:
 
 
 def show_account(report):
-    """The job's closing account: each rank's steps, its time computing and in collectives (from its first
-    to its last), of that waiting for the others (beyond the least a rank spent in them); the straggler
-    (returned; None if none, or no account: a rank that did not exit normally); the bus bandwidth."""
+    """The closing account of a training job (one whose ranks all exited normally, some making steps): each
+    rank's steps, its time computing and in collectives (first to last), of that waiting for the others
+    (beyond the least a rank spent in them); the straggler (returned, or None); the bus bandwidth."""
     ranks, n = report.records["account"], report.world_size
-    if len(ranks) < n or n < 2:
+    if len(ranks) < n or n < 2 or not any(a["steps"] for a in ranks.values()):
         return None
     computing = {r: a["seconds"] - a["collectives"] for r, a in sorted(ranks.items())}
     least = min(a["collectives"] for a in ranks.values())  # (the straggler's: it waits for no one)

@@ -9,7 +9,7 @@ from mlx.optimizers import Optimizer
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import fsdp
-from .arrays import UINT_BY_SIZE, bits, width
+from .arrays import bits
 from .collectives import bcast, check_root, root_runs
 from .state import of
 from .tree import TreeMismatchError, buckets, describe, pack, unpack, verify_same_structure
@@ -36,7 +36,7 @@ def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
     if isinstance(x, Module):
         fsdp.check_mlx_sharding(backend, x, what)
         params = x.trainable_parameters() if trainable_only else x.parameters()
-        params = _synchronize_unsharded(backend, params, fsdp.sharded(x), root, what)
+        params = _synchronize_tree(backend, params, root, what, fsdp.sharded(x))
         return x if backend.rank == root else x.update(params)
     if trainable_only:
         raise TypeError(f"{what}: trainable_only= is only for an nn.Module")
@@ -49,7 +49,7 @@ def _synchronize_optimizer(backend, opt, root, model, what):
         opt.init(model.trainable_parameters())
     hint = "call opt.init(model.trainable_parameters()) first, or pass model=model"
     try:
-        shared = _synchronize_unsharded(backend, state.shared_state(), fsdp.sharded(model, what), root, what)
+        shared = _synchronize_tree(backend, state.shared_state(), root, what, fsdp.sharded(model, what))
     except TreeMismatchError as e:
         raise TreeMismatchError(f"{e}; an optimizer not yet updated: {hint}") from None
     if not state.initialized():  # the same on every rank: their states have the same structure
@@ -59,26 +59,19 @@ def _synchronize_optimizer(backend, opt, root, model, what):
     return opt
 
 
-def _synchronize_unsharded(backend, tree, shards, root, what):
-    """``_synchronize_tree``, but at the keys of ``shards`` (``fsdp.sharded``) each rank keeps its own."""
-    if not shards:
-        return _synchronize_tree(backend, tree, root, what)
-    own = [(k, v) for k, v in tree_flatten(tree) if fsdp.param_key(k, shards) is not None]
-    shared = {k: v for k, v in tree_flatten(tree) if fsdp.param_key(k, shards) is None}
-    return tree_unflatten(list(_synchronize_tree(backend, shared, root, what).items()) + own)
-
-
-def _synchronize_tree(backend, tree, root, what):
+def _synchronize_tree(backend, tree, root, what, shards=None):
+    """Root's ``tree``; at the keys of ``shards`` (``fsdp.sharded``) each rank keeps its own."""
     if backend.size == 1:
         return tree
+    if shards:
+        own = [(k, v) for k, v in tree_flatten(tree) if fsdp.param_key(k, shards) is not None]
+        shared = {k: v for k, v in tree_flatten(tree) if fsdp.param_key(k, shards) is None}
+        return tree_unflatten(list(_synchronize_tree(backend, shared, root, what).items()) + own)
     # Only the arrays must agree: each rank receives into buffers the size of its own arrays.
     verify_same_structure(backend, [(k, s) for k, s in describe(tree) if isinstance(s, tuple)], what)
     skeleton = root_runs(backend, lambda: _map(_stand_in, tree), root, TypeError, f"send {what}")
     arrays = [leaf for _, leaf in tree_flatten(tree) if _travels_as_bits(leaf)]
-    sent = [
-        bits(a) if backend.rank == root else mx.zeros((a.nbytes // width(a),), UINT_BY_SIZE[width(a)])
-        for a in arrays
-    ]
+    sent = [bits(a) if backend.rank == root else mx.zeros_like(bits(a)) for a in arrays]  # (a not evaluated)
     groups = buckets(sent, BROADCAST_BUCKET_BYTES)  # (bcast evaluates: one bucket at a time)
     received = unpack([bcast(backend, pack(sent, group), root) for group in groups], sent, groups)
     if backend.rank == root:

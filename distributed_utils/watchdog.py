@@ -205,7 +205,7 @@ def _watch_loop():
         last = now
         entries = list(_state.inflight.copy())
         if any(e.timeout and now - e.start > e.timeout for e in entries):
-            _expire(sorted(entries, key=lambda e: e.start))
+            _expire(sorted((e for e in entries if e.timeout), key=lambda e: e.start))
 
 
 def _expire(entries):
@@ -221,6 +221,10 @@ def _expire(entries):
             f"last finished collective: #{_state.done}); exiting{also}"
         )
         _say(record("watchdog", rank=rank, waiting=name, stopped=stopped > 1))
+    for e in list(_state.inflight):  # into the timeline as they stand: where this rank waits
+        _finished(e)
+    with contextlib.suppress(Exception):  # (the exit must come)
+        _account()
     time.sleep(GRACE)
     os._exit(WATCHDOG_EXIT)
 

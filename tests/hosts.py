@@ -25,7 +25,11 @@ class Hosts:
         self.hostfile = tmp / "hosts"
         self.hostfile.write_text("".join(f"{a} slots=1\n" for a in self.addresses))
         self.shell = tmp / "netns-shell"  # HOST COMMAND...: run COMMAND on HOST, as ssh would
-        cases = "".join(f"  {a}) ns={n} ;;\n" for a, n in zip(self.addresses, self.names))
+        self.write_shell(self.addresses)
+
+    def write_shell(self, addresses):
+        """The remote shell, knowing ``addresses`` (a's, b's, a's, ...)."""
+        cases = "".join(f"  {a}) ns={self.names[i % 2]} ;;\n" for i, a in enumerate(addresses))
         self.shell.write_text(
             "#!/bin/sh\nhost=$1; shift\ncase $host in\n"
             + cases
@@ -75,6 +79,24 @@ class Hosts:
             timeout=timeout,
             env={**os.environ, "DU_TIMEOUT": "30"},
         )
+
+    @contextlib.contextmanager
+    def second_path(self, addresses):
+        """A second veth pair between the hosts (``du<pid>ax``, ``du<pid>bx``) with ``addresses``, a's
+        then b's, which the remote shell knows too; removed after the ``with`` block."""
+        devices = [n + "x" for n in self.names]
+        ip("link", "add", devices[0], "type", "veth", "peer", "name", devices[1])
+        try:
+            for name, device, address in zip(self.names, devices, addresses):
+                ip("link", "set", device, "netns", name)
+                ip("-n", name, "addr", "add", f"{address}/24", "dev", device)
+                ip("-n", name, "link", "set", device, "up")
+            self.write_shell(self.addresses + addresses)
+            yield
+        finally:
+            subprocess.run(["ip", "-n", self.names[0], "link", "del", devices[0]], capture_output=True)
+            subprocess.run(["ip", "link", "del", devices[0]], capture_output=True)  # (if not moved yet)
+            self.write_shell(self.addresses)
 
     def set_link(self, state):
         ip("-n", self.names[0], "link", "set", self.names[0], state)

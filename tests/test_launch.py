@@ -359,7 +359,7 @@ opt = du.DistributedOptimizer(b, optim.SGD(0.01))
 loss_and_grad = nn.value_and_grad(model, lambda m, x: (m(x) ** 2).mean())
 for step in range(20):
     if du.local_rank(b) == 2:
-        time.sleep(0.05)  # rank 2 is slowed: a slower machine
+        time.sleep(0.1)  # rank 2 is slowed: a slower machine
     loss, grads = loss_and_grad(model, mx.ones((8, 64)))
     opt.update(model, grads)
     mx.eval(model.parameters())
@@ -368,7 +368,7 @@ for step in range(20):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_account_and_the_timeline_name_the_slowed_rank(backend, tmp_path):
-    """#29: a 3-rank job with rank 2 slowed by 50 ms a step: du-launch's closing account names it the
+    """#29: a 3-rank job with rank 2 slowed by 100 ms a step (2 s in all): du-launch's closing account names it the
     straggler, the others waiting for it; the merged trace has one row per rank, rank 2's named so, the
     compute between collectives, and the others' waits in the collectives for rank 2."""
     trace = tmp_path / "trace.json"
@@ -377,8 +377,8 @@ def test_the_account_and_the_timeline_name_the_slowed_rank(backend, tmp_path):
     account = dict(re.findall(r"du-launch: rank (\d): 20 steps, ([\d.]+) s computing", run.stdout))
     waiting = dict(re.findall(r"du-launch: rank (\d): .* \(([\d.]+) s waiting for the others\)", run.stdout))
     assert set(account) == set(waiting) == {"0", "1", "2"}, run.stdout
-    assert float(account["2"]) >= 20 * 0.05 > max(float(account["0"]), float(account["1"])), run.stdout
-    assert float(waiting["2"]) == 0 and min(float(waiting["0"]), float(waiting["1"])) > 0.5, run.stdout
+    assert float(account["2"]) >= 2.0 > max(float(account["0"]), float(account["1"])), run.stdout
+    assert float(waiting["2"]) == 0 and min(float(waiting["0"]), float(waiting["1"])) > 1.0, run.stdout
     assert re.search(r"du-launch: rank 2 is the straggler: it computes [\d.]+x as long", run.stdout), (
         run.stdout
     )
@@ -391,7 +391,8 @@ def test_the_account_and_the_timeline_name_the_slowed_rank(backend, tmp_path):
     for e in events:
         if "waited_ms" in e.get("args", {}):
             waited[e["pid"], e["args"]["for_rank"]] += e["args"]["waited_ms"]
-    assert min(waited[0, 2], waited[1, 2]) > 20 * 50 / 2 > waited[2, 0] + waited[2, 1], waited
+    # (rank 2 waits for the others too, when they are not scheduled: 3 ranks share 2 cores)
+    assert min(waited[0, 2], waited[1, 2]) > 1000 > waited[2, 0] + waited[2, 1], waited
     computed = [e for e in events if e["name"] == "compute"]
     assert {e["pid"] for e in computed} == {0, 1, 2} and all(e["dur"] >= 0 for e in computed)
 
@@ -408,3 +409,41 @@ def test_a_timeline_has_no_rows_from_an_earlier_job(tmp_path):
     assert run.returncode == 0 and "with rows for ranks [0]" in run.stdout, run.stdout
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0} and any(e["name"] == "barrier" for e in events), events
+
+
+def test_the_timeline_names_diloco_syncs_and_checkpoints(tmp_path):
+    """#29: DiLoCo's syncs and the checkpoints' saves and loads are regions of the timeline, around
+    the collectives they make: 12 steps syncing every 4 and saving every 4, on both ranks."""
+    train = ["python", "tests/programs/train.py", str(tmp_path / "out"), "--diloco", "4"]
+    command = ["--timeline", str(tmp_path / "t.json"), *train, "--checkpoint", str(tmp_path / "ck")]
+    run = launch(2, "ring", command, timeout=120)
+    assert run.returncode == 0, run.stdout
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    for rank in (0, 1):
+        mine = [e for e in events if e["pid"] == rank and e["ph"] == "X"]
+        names = collections.Counter(e["name"] for e in mine)
+        assert names["DiLoCo sync: start"] == names["DiLoCo sync: outer step"] == 3, names
+        assert names["save_checkpoint"] == 3 and names["load_checkpoint"] == 1, names
+        for region in [e for e in mine if e["name"] in ("save_checkpoint", "DiLoCo sync: start")]:
+            inside = [
+                e
+                for e in mine
+                if e["args"].get("seq") and region["ts"] <= e["ts"] <= region["ts"] + region["dur"]
+            ]
+            assert inside, (region, names)
+
+
+def test_the_timeline_of_a_job_the_watchdog_ended_shows_where_it_waited(tmp_path):
+    """#29: rank 1 never comes to the barrier (it hangs elsewhere); rank 0's watchdog ends the job, its
+    timeline written first: its last collective is the barrier, as long as the timeout."""
+    program = (
+        "import time, distributed_utils as du\nb = du.initialize()\ndu.barrier(b)\n"
+        "if du.local_rank(b) == 1:\n    time.sleep(600)  # a rank stuck outside any collective\ndu.barrier(b)"
+    )
+    command = ["--timeout", "2", "--timeline", str(tmp_path / "t.json"), "python", "-c", program]
+    run = launch(2, "ring", command, timeout=120)
+    assert run.returncode == 124 and "with rows for ranks [0]" in run.stdout, run.stdout
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    collectives = [e for e in events if e["pid"] == 0 and e.get("args", {}).get("seq")]
+    assert [e["name"] for e in collectives[-2:]] == ["barrier", "barrier"], collectives
+    assert collectives[-1]["dur"] >= 2e6, collectives[-1]

@@ -297,3 +297,24 @@ def test_soak_a_job_survives_a_fault_of_every_kind_and_ends_bit_identical(hosts,
     assert want.keys() == got.keys()
     for key in want:
         assert mx.array_equal(want[key], got[key]).item(), f"{summary}: {key} differs"
+
+
+def test_check_finds_a_faster_path_between_the_hosts_than_the_hostfiles(hosts):
+    """#29.3: the hosts joined twice, the hostfile's link (10.77.0.x) shaped to 500 Mbit/s and a second
+    one (10.78.0.x) not: `du-launch --check` measures both and says which to write in the hostfile."""
+    with hosts.second_path(["10.78.0.1", "10.78.0.2"]):
+        hosts.shape("500mbit")
+        try:
+            run = hosts.run("ring", ["--check", "python"], timeout=240)
+        finally:
+            hosts.shape(None)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout + run.stderr
+    assert "measuring another path between 10.77.0.1 and 10.77.0.2: 10.78.0.1 <-> 10.78.0.2" in out, out
+    faster = re.search(
+        r"10.78.0.1 <-> 10.78.0.2 is faster than the hostfile's 10.77.0.1 <-> 10.77.0.2: ([\d.]+) GB/s against "
+        r"([\d.]+); to use it, write 10.78.0.2 for 10.77.0.2 in the hostfile \(and 10.78.0.1 for 10.77.0.1\)",
+        out,
+    )
+    assert faster and float(faster[1]) > 1.2 * float(faster[2]), out
+    assert float(faster[2]) < 0.075 and "steps" not in out, out  # (500 Mbit/s: 0.0625 GB/s; no account)
