@@ -94,6 +94,9 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         lambda self, v: setattr(self.inner_optimizer, "learning_rate", v),
     )
 
+    def rule_name(self) -> str:
+        return "DiLoCo"
+
     def initialized(self) -> bool:
         return self._global is not None
 

@@ -87,10 +87,9 @@ def how_preempted(report) -> str:
 
 
 def check(every_host, args) -> int:
-    """``--check``: every host's environment (the same everywhere, or exit 1, naming every host it
-    could not check), then what each link delivers: one job over all ranks on a single host, else
-    one per pair of hosts."""
-    hosts = reachable(every_host, args, always=True)
+    """``--check``: every host's environment (the same everywhere, or exit 1, naming every host it could not
+    check), then what each link delivers: one job over all ranks on one host, else per pair of hosts."""
+    hosts, args.timeline = reachable(every_host, args, always=True), None  # (measurements: no timeline)
     python = split_command(args.command)[0] or sys.executable
     unique = list(dict.fromkeys(hosts))
     pairs = [hosts] if len(unique) == 1 else [[a, b] for i, a in enumerate(unique) for b in unique[i + 1 :]]
@@ -100,21 +99,22 @@ def check(every_host, args) -> int:
         if code:
             return code
         if len(unique) > 1:
-            faster_paths(group, report.records["measured"][0]["gbps"], measure, args)
+            faster_paths(group, measure, args)
     return 0
 
 
-def faster_paths(pair, named, measure, args):
-    """Measure (a ring job each) every other way the two hosts of ``pair`` reach each other, each pair of
-    their addresses on one network; warn of one faster than ``named`` GB/s, their hostfile names' path."""
+def faster_paths(pair, measure, args):
+    """Measure with a ring job (which uses exactly the addresses it is given) the hostfile's path between the
+    two hosts of ``pair``, then each other pair of their addresses on one network; warn of one 1.2x faster."""
     (a, b), envs, used = pair, environments(pair, args), {resolve(h) for h in pair}
     ring = argparse.Namespace(**{**vars(args), "backend": "ring", "port": None, "timeout": PROBE_SECONDS})
+    gbps = lambda hosts: run_job(hosts, measure, ring)[1].records["measured"].get(0, {}).get("gbps", 0)
+    named = gbps(pair)  # (again for the job's transport, were it mpirun's)
     for i, j in itertools.product(*[map(ipaddress.ip_interface, envs[h]["addresses"]) for h in pair]):
-        if i.network != j.network or {str(i.ip), str(j.ip)} == used:
+        if i.network != j.network or i.ip == j.ip or {str(i.ip), str(j.ip)} == used:
             continue
         log(f"measuring another path between {a} and {b}: {i.ip} <-> {j.ip} (a ring job)")
-        report = run_job([str(i.ip), str(j.ip)], measure, ring)[1]
-        if (faster := report.records["measured"].get(0, {}).get("gbps", 0)) > 1.2 * named:
+        if (faster := gbps([str(i.ip), str(j.ip)])) > 1.2 * named:
             log(
                 f"{i.ip} <-> {j.ip} is faster than the hostfile's {a} <-> {b}: {faster:.2f} GB/s against "
                 f"{named:.2f}; to use it, write {j.ip} for {b} in the hostfile (and {i.ip} for {a})"
@@ -148,17 +148,13 @@ def parse_args(argv):
     shell = "prefix that runs a command on another host (default: 'ssh {host}'; mpi: must end with {host})"
     p.add_argument("--remote-shell", default=DEFAULT_REMOTE_SHELL, help=shell)
     p.add_argument("--port", type=int, help="ring: rank r listens on port PORT + r (default: free ports)")
-    watchdog = "seconds before the watchdog ends a stuck job (DU_TIMEOUT)"
-    p.add_argument("--timeout", type=at_least(0, float), help=watchdog)
+    p.add_argument("--timeout", type=at_least(0, float), help="watchdog timeout in seconds (DU_TIMEOUT)")
     p.add_argument("--debug", action="store_true", help="check every collective across ranks (DU_DEBUG=1)")
     restarts = "after a failure, start the whole job again, up to K times (DU_RESTART: the attempt)"
     p.add_argument("--max-restarts", type=at_least(0), default=0, metavar="K", help=restarts)
     fewer = "start (or restart) without the hosts that cannot be reached if M ranks are left (default: all)"
     p.add_argument("--min-ranks", type=at_least(1), metavar="M", help=fewer)
-    grace = (
-        "after a SIGTERM or SIGUSR1 (preemption), forwarded to the ranks, wait this long for the job to end "
-        f"before stopping it; exit code {PREEMPTED_EXIT} if it ended in time (default: 30; 0: stop at once)"
-    )
+    grace = f"SIGTERM/SIGUSR1 (forwarded): seconds to end (exit {PREEMPTED_EXIT}), else stopped (default: 30)"
     p.add_argument("--grace", type=at_least(0, float), default=30, metavar="SECONDS", help=grace)
     check = "check, not run: the same Python, libraries, program everywhere; each link's latency, bandwidth"
     p.add_argument("--check", action="store_true", help=check)

@@ -10,11 +10,10 @@ from mlx.optimizers import MultiOptimizer, Optimizer
 
 
 class OptimizerState:
-    """What ``synchronize`` and checkpoints ask of optimizers: subclasses define the methods with no body."""
+    """What ``synchronize`` and checkpoints ask of an optimizer: every method, each subclass defines."""
 
     def rule_name(self) -> str:
-        """The update rule's class name (by default this class's), which a checkpoint records and checks."""
-        return type(self).__name__
+        """The update rule's class name, which a checkpoint records and checks at load."""
 
     def initialized(self) -> bool:
         """Whether the state holds its per-parameter entries (after ``init`` or an update)."""

@@ -133,12 +133,14 @@ def show_account(report):
     straggler = slow if computing[slow] > 1.1 * others + 0.1 * ranks[slow]["seconds"] else None
     if straggler is not None:
         log(
-            f"rank {slow} is the straggler: it computes {computing[slow] / others:.2f}x as long as the others, "
-            "who wait for it; give it a smaller share (DistributedDataContainer.batches(share='auto')) or a "
-            "faster machine"
+            f"rank {slow} is the straggler, computing {computing[slow] / others:.2f}x as long as the others: "
+            "give it a smaller share (DistributedDataContainer.batches(share='auto')) or a faster machine"
         )
     bus = statistics.median(a["bytes"] for a in ranks.values()) * 2 * (n - 1) / n / max(least, 1e-9) / 1e9
-    log(f"the collectives' bus bandwidth: {bus:.2f} GB/s (what the links can do: du-launch --check)")
+    said = f"the collectives' bus bandwidth: {bus:.2f} GB/s (what the links can do: du-launch --check)"
+    advice = "; more time in transfers than in computing: a faster link, compression= or DiLoCo"
+    log(said + (advice if least > statistics.median(computing.values()) else ""))
+    log("account " + json.dumps(dict(ranks={r: ranks[r] for r in sorted(ranks)}, straggler=straggler)))
     return straggler
 
 
@@ -233,9 +235,12 @@ def supervise(procs, world_size, env, tagged=False, grace=0):
     show_lost_reports(report, env["DU_REPORT_DIR"])
     if report.watchdog:
         log(report.watchdog_summary())
-    straggler = show_account(report)
+    straggler = show_account(report) if failure is None else None
     if env.get("DU_TIMELINE"):  # (also of a job that failed: the ranks that ended normally)
-        merge_timeline(env["DU_TIMELINE"], world_size, straggler)
+        try:
+            merge_timeline(env["DU_TIMELINE"], world_size, straggler)
+        except (OSError, ValueError) as e:  # (a rank's file cut short: the job's exit code comes first)
+            log(f"could not merge the timeline {env['DU_TIMELINE']}: {e}")
     return (0 if failure is None else failure.code), report, failure
 
 

@@ -158,21 +158,27 @@ def stepped():
     _state.steps += 1
 
 
-def _account():
-    """At exit: this rank's account (from its first collective to its last) for du-launch; with
+def _account(say=True):
+    """At exit: this rank's account (from its first collective to its last) for du-launch (``say``); with
     ``DU_TIMELINE=trace.json``, its timeline in ``trace.rank-R.json`` (a Chrome trace; du-launch merges)."""
     if _state.first is None:
         return
-    seconds, r = _state.last - _state.first, launched_rank() if _state.rank is None else _state.rank
-    say_record("account", steps=_state.steps, seconds=seconds, collectives=_state.waited, bytes=_state.sent)
+    r = launched_rank()  # (the job's rank: a collective's may be a group's, du.split)
+    r, seconds = _state.rank if r == "?" else r, _state.last - _state.first
+    if say:
+        say_record(
+            "account", steps=_state.steps, seconds=seconds, collectives=_state.waited, bytes=_state.sent
+        )
     if _state.timeline is not None:  # (seq, what, start, end, bytes), on the wall clock: the hosts' agree
         t0 = (time.time() - time.monotonic()) * 1e6
         trace = [
             dict(name=w, ph="X", ts=a * 1e6 + t0, dur=(b - a) * 1e6, pid=r, tid=0, args=dict(seq=s, bytes=n))
             for s, w, a, b, n in _state.timeline
         ]
-        with open(os.path.splitext(os.environ["DU_TIMELINE"])[0] + f".rank-{r}.json", "w") as f:
+        path = os.path.splitext(os.environ["DU_TIMELINE"])[0] + f".rank-{r}.json"
+        with open(path + ".tmp", "w") as f:  # (whole or not at all: a rank may be stopped meanwhile)
             json.dump(trace, f)
+        os.replace(path + ".tmp", path)
 
 
 def _start_thread():
@@ -221,10 +227,11 @@ def _expire(entries):
             f"last finished collective: #{_state.done}); exiting{also}"
         )
         _say(record("watchdog", rank=rank, waiting=name, stopped=stopped > 1))
-    for e in list(_state.inflight):  # into the timeline as they stand: where this rank waits
-        _finished(e)
-    with contextlib.suppress(Exception):  # (the exit must come)
-        _account()
+    threading.Timer(GRACE, os._exit, (WATCHDOG_EXIT,)).start()  # (even if the writes below hang)
+    with contextlib.suppress(Exception):  # the timeline as it stands: where this rank waits
+        for e in list(_state.inflight):
+            _finished(e)
+        _account(say=False)  # (a job the watchdog ended has no account)
     time.sleep(GRACE)
     os._exit(WATCHDOG_EXIT)
 

@@ -379,9 +379,9 @@ def test_the_account_and_the_timeline_name_the_slowed_rank(backend, tmp_path):
     assert set(account) == set(waiting) == {"0", "1", "2"}, run.stdout
     assert float(account["2"]) >= 2.0 > max(float(account["0"]), float(account["1"])), run.stdout
     assert float(waiting["2"]) == 0 and min(float(waiting["0"]), float(waiting["1"])) > 1.0, run.stdout
-    assert re.search(r"du-launch: rank 2 is the straggler: it computes [\d.]+x as long", run.stdout), (
-        run.stdout
-    )
+    assert re.search(r"du-launch: rank 2 is the straggler, computing [\d.]+x as long", run.stdout), run.stdout
+    record = json.loads(re.search(r"du-launch: account (.*)", run.stdout)[1])  # (for programs)
+    assert record["straggler"] == 2 and [a["steps"] for a in record["ranks"].values()] == [20, 20, 20], record
     events = json.loads(trace.read_text())["traceEvents"]
     rows = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert rows == {0: "rank 0", 1: "rank 1", 2: "rank 2 (the straggler)"}, rows
