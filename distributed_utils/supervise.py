@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from .backends.contract import SIGNAL_EXIT, WATCHDOG_EXIT, read_record
+from .backends.contract import SIGNAL_EXIT, WATCHDOG_EXIT, read_record, timeline_path
 
 GRACE_SECONDS = 3  # between SIGTERM and SIGKILL for the ranks left when one failed
 SETTLE_SECONDS = 0.5  # after a rank fails, for the others that fail with it, to tell cause from effect
@@ -147,7 +147,7 @@ def show_account(report):
 def merge_timeline(path, n, straggler=None):
     """The ranks' timelines (``trace.rank-R.json``, those on this host) merged into ``path``, a row per
     rank: the compute between collectives shown, and each collective's wait for the last rank to start it."""
-    files = [Path(f"{os.path.splitext(path)[0]}.rank-{r}.json") for r in range(n)]
+    files = [Path(timeline_path(path, r)) for r in range(n)]
     merged, by_seq = [], collections.defaultdict(dict)  # a collective's number -> rank -> its event there
     for r, events in [(r, json.loads(f.read_text())) for r, f in enumerate(files) if f.exists()]:
         name = f"rank {r}" + (" (the straggler)" if r == straggler else "")

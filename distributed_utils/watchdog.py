@@ -14,7 +14,7 @@ import threading
 import time
 
 from .arrays import show, signature
-from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path, say_record
+from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path, say_record, timeline_path
 
 DEFAULT_TIMEOUT = 300.0
 GRACE = 2.0
@@ -175,7 +175,7 @@ def _account(say=True):
             dict(name=w, ph="X", ts=a * 1e6 + t0, dur=(b - a) * 1e6, pid=r, tid=0, args=dict(seq=s, bytes=n))
             for s, w, a, b, n in _state.timeline
         ]
-        path = os.path.splitext(os.environ["DU_TIMELINE"])[0] + f".rank-{r}.json"
+        path = timeline_path(os.environ["DU_TIMELINE"], r)
         with open(path + ".tmp", "w") as f:  # (whole or not at all: a rank may be stopped meanwhile)
             json.dump(trace, f)
         os.replace(path + ".tmp", path)
@@ -227,13 +227,12 @@ def _expire(entries):
             f"last finished collective: #{_state.done}); exiting{also}"
         )
         _say(record("watchdog", rank=rank, waiting=name, stopped=stopped > 1))
-    threading.Timer(GRACE, os._exit, (WATCHDOG_EXIT,)).start()  # (even if the writes below hang)
+    threading.Timer(GRACE, os._exit, (WATCHDOG_EXIT,)).start()  # (the exit, even if the writes below hang)
     with contextlib.suppress(Exception):  # the timeline as it stands: where this rank waits
         for e in list(_state.inflight):
             _finished(e)
         _account(say=False)  # (a job the watchdog ended has no account)
-    time.sleep(GRACE)
-    os._exit(WATCHDOG_EXIT)
+    threading.Event().wait()  # (for the timer)
 
 
 def _say(message):

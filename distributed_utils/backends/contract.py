@@ -113,6 +113,10 @@ def report_path():
     return None if not folder else os.path.join(folder, f"rank-{launched_rank()}.report")
 
 
+def timeline_path(path: str, rank) -> str:  # (DU_TIMELINE=trace.json: trace.rank-R.json)
+    return os.path.splitext(path)[0] + f".rank-{rank}.json"
+
+
 def expected_world_size():
     """The number of processes the launcher (du-launch, or mpirun) started, or None."""
     size = _first_set("DU_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
