@@ -7,7 +7,7 @@ run; rank 0 prints microseconds per call and the ratio to the raw call. Raw: mpi
 and Bcast on numpy buffers, and for an mx.array Allreduce reading its memory and the sum made an
 mx.array (MPIBackend); or mx.distributed.all_sum of an mx.array, evaluated (MLX backends). du: the public collectives, through the door (checks, watchdog, evaluation).
 Between them, the layers of ``du.allreduce(mx.array)``: the raw call inside the watchdog's
-``collective``, the backend's primitive alone, and the door (``collectives._reduce``).
+``collective``, the backend's primitive alone, and the door (``collectives.allreduce_arrays``).
 """
 
 import argparse
@@ -61,9 +61,9 @@ def main():
     rows = {
         "  raw allreduce, watched": ("allreduce", watched),
         "  backend.allreduce([mx.array])": ("allreduce", lambda: mx.eval(backend.allreduce([m], "sum"))),
-        "  the door (collectives._reduce)": (
+        "  the door (collectives.allreduce_arrays)": (
             "allreduce",
-            lambda: collectives._reduce(backend, "allreduce", m, "sum"),
+            lambda: collectives.allreduce_arrays(backend, m, "sum", what="allreduce"),
         ),
         "du.allreduce(mx.array of 4 floats)": (raw_of_mx, lambda: du.allreduce(backend, m, "sum")),
         "du.allreduce(numpy array of 4 floats)": ("allreduce", lambda: du.allreduce(backend, x, "sum")),

@@ -21,13 +21,6 @@ def widened(a):
     return a.astype(mx.float32) if a.dtype in NARROW_FLOATS else a
 
 
-def check_travels(x):
-    """``x`` if its dtype can travel on every backend, else a TypeError naming it."""
-    if isinstance(x, np.ndarray) and x.dtype not in MX_BY_NUMPY:
-        raise TypeError(f"dtype {x.dtype} is not supported; use one of {DTYPE_NAMES}")
-    return x
-
-
 def is_floating(dtype) -> bool:
     """Whether ``dtype`` (mx or numpy) is a floating or complex type."""
     return dtype.kind in "fc" if isinstance(dtype, np.dtype) else mx.issubdtype(dtype, mx.inexact)
@@ -42,8 +35,7 @@ def to_mx(a) -> mx.array:
 
 
 def to_numpy(a) -> np.ndarray:
-    """A numpy copy of mx.array ``a``, evaluated first (``np.array`` swallows a failed evaluation's
-    error); a numpy array as it is (a transport on host buffers gives numpy results)."""
+    """A numpy copy of mx.array ``a``, evaluated first (``np.array`` hides its error); numpy ``a`` itself."""
     if isinstance(a, np.ndarray):
         return a
     mx.eval(a)
@@ -71,17 +63,12 @@ def contiguous_numpy(a: mx.array) -> np.ndarray:
     return view
 
 
-def width(a) -> int:
-    """The widest unsigned int (1, 2, 4 or 8 bytes) that tiles ``a``'s items exactly."""
-    itemsize = a.dtype.itemsize if isinstance(a, np.ndarray) else a.dtype.size
-    return next(w for w in (8, 4, 2, 1) if itemsize % w == 0)
-
-
 def bits(a) -> mx.array:
-    """``a``'s bits as a flat ``mx.array`` of unsigned ints of ``width(a)`` bytes."""
-    if isinstance(a, np.ndarray):
-        return to_mx(a.reshape(-1).view(f"u{width(a)}"))
-    return a.reshape(-1).view(UINT_BY_SIZE[width(a)])
+    """``a``'s bits as a flat ``mx.array`` of unsigned ints of its item size (numpy: the widest dividing)."""
+    if isinstance(a, np.ndarray):  # (strings and records too: any item size)
+        width = next(w for w in (8, 4, 2, 1) if a.dtype.itemsize % w == 0)
+        return to_mx(a.reshape(-1).view(f"u{width}"))
+    return a.reshape(-1).view(UINT_BY_SIZE[a.dtype.size])
 
 
 def signature(x):

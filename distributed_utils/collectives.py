@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import watchdog
-from .arrays import check_travels, evaluate, is_floating, to_mx, to_numpy
+from .arrays import DTYPE_NAMES, MX_BY_NUMPY, evaluate, is_floating, to_mx, to_numpy
 from .backends import AbstractBackend
 
 #: Lux's ``DistributedUtils.avg``: the averaging reduction op.
@@ -59,11 +59,12 @@ def allreduce(backend, x, op):
     bools, nan_wins = arr.dtype in _BOOLS, op in ("max", "min") and is_floating(arr.dtype)
     arr = to_mx(arr) if bools or nan_wins or not backend.host_buffers else arr  # (else MPI on numpy's memory)
     if bools:  # as bytes: MPI aborts on bools
-        op = "max" if op in ("sum", "max") else "min"
-        return back(_reduce(backend, "allreduce", [arr.astype(mx.uint8)], op)[0].astype(mx.bool_))
+        arr, op = arr.astype(mx.uint8), "max" if op in ("sum", "max") else "min"
     if nan_wins:
         return back(_nan_wins(backend, arr, op))
-    return back(_reduce(backend, "allreduce", [arr], op, in_place=arr is not x)[0])  # (in place: in our copy)
+    mine = arr is not x  # a copy of ours: the transport may write the result into it
+    out = allreduce_arrays(backend, [arr], op, in_place=mine, what="allreduce")[0]
+    return back(out.astype(mx.bool_) if bools else out)
 
 
 def _nan_wins(backend, a, op):
@@ -72,7 +73,7 @@ def _nan_wins(backend, a, op):
     nan = mx.isnan(a).reshape(-1)
     loser, flag = (-mx.inf, 1) if op == "max" else (mx.inf, -1)
     both = mx.concatenate([mx.where(nan, loser, a.reshape(-1)).astype(a.dtype), (nan * flag).astype(a.dtype)])
-    out = _reduce(backend, "allreduce", [both], op)[0]
+    out = allreduce_arrays(backend, [both], op, what="allreduce")[0]
     return mx.where(out[a.size :] != 0, mx.nan, out[: a.size]).astype(a.dtype).reshape(a.shape)
 
 
@@ -105,12 +106,6 @@ def barrier(backend):
     _door(check_backend(backend), "barrier", None, lambda _: backend.barrier())
 
 
-def allreduce_arrays(backend, arrays: list, op: str = "sum", scale: float = 1.0, *, in_place=False) -> list:
-    """Collective: each (numeric) mx.array of ``arrays`` reduced with ``op``, sums times ``scale``.
-    ``in_place``: the arrays are handed over; the transport may write the results into them."""
-    return _reduce(backend, "allreduce_arrays", arrays, op, scale, in_place)
-
-
 def reduce_scatter_sum(backend, x, scale: float = 1.0):
     """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``."""
     primitive = lambda a: backend.reduce_scatter(a, scale)  # noqa: E731
@@ -127,8 +122,9 @@ def average_factor(backend) -> float:
     return 1.0 / backend.size
 
 
-def _reduce(backend, what, arrays: list, op, scale=1.0, in_place=False) -> list:
-    """The one path of every reduction."""
+def allreduce_arrays(backend, arrays: list, op, scale=1.0, in_place=False, what="allreduce_arrays"):
+    """Collective (every all-reduce's path): each (numeric) mx.array of ``arrays`` reduced with ``op``, sums
+    times ``scale``. ``in_place``: the arrays are handed over; the transport may write the results in them."""
     details = _shown(op, scale)
     if op == "avg":
         op, scale = "sum", scale * average_factor(backend)
@@ -262,17 +258,17 @@ def _as_array(x):
     """``x`` as an array (a number: numpy's), and the function that gives a result back as ``x``'s kind."""
     if isinstance(x, mx.array):
         return x, lambda r: r
-    if isinstance(x, np.ndarray):
-        return check_travels(x), to_numpy
-    if not isinstance(x, (bool, int, float, complex, np.generic)):
+    if not isinstance(x, (np.ndarray, bool, int, float, complex, np.generic)):
         raise TypeError(
             f"cannot reduce a {type(x).__name__}: pass an mx.array, a numpy array or a Python number "
             "(use du.synchronize for trees and objects)"
         )
-    arr = np.asarray(x)
+    arr = np.asanyarray(x)  # (a numpy array: itself)
     if isinstance(x, int) and not isinstance(x, bool) and arr.dtype != np.int64:
         raise TypeError(f"the integer {x} does not fit in int64")
-    return check_travels(arr), lambda r: type(x)(to_numpy(r).item())
+    if arr.dtype not in MX_BY_NUMPY:  # (the dtypes that travel on every backend)
+        raise TypeError(f"dtype {arr.dtype} is not supported; use one of {DTYPE_NAMES}")
+    return arr, to_numpy if arr is x else lambda r: type(x)(to_numpy(r).item())
 
 
 def check_backend(backend) -> AbstractBackend:

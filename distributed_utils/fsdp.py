@@ -15,7 +15,7 @@ from mlx import nn
 from mlx import optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .arrays import UINT_BY_SIZE, evaluate, is_floating, to_numpy
+from .arrays import bits, evaluate, is_floating, to_mx, to_numpy
 from .collectives import allgather, allreduce, bcast, check_backend, check_count, check_same
 from .reduction import Reduction
 from .tree import replace_arrays
@@ -68,8 +68,7 @@ def _sharded_class(cls):
 
 
 def _own(module, parameter_filter=nn.Module.valid_parameter_filter) -> list:
-    """``[(key, array)]``: ``module``'s parameters (by ``parameter_filter``: the trainable ones, say) that
-    belong to no fully sharded submodule, whose own are not walked."""
+    """``[(key, array)]``: ``module``'s parameters (by ``parameter_filter``) of no fully sharded submodule."""
     keep = lambda m, k, v: not isinstance(v, FullyShardedModule) and parameter_filter(m, k, v)  # noqa: E731
     return tree_flatten(module.filter_and_map(keep))
 
@@ -179,8 +178,7 @@ def _detached(a):
         return [_detached(x) for x in a]
     if not evaluate(a):
         return a
-    bits = UINT_BY_SIZE[a.dtype.size]
-    return mx.array(to_numpy(a.view(bits)), bits).view(a.dtype)
+    return to_mx(to_numpy(bits(a))).view(a.dtype).reshape(a.shape)
 
 
 def sharded(model, who=None) -> dict:
@@ -212,8 +210,7 @@ def param_key(key: str, sharded_keys) -> str:
 
 
 def whole_tree(tree, shards: dict):
-    """Collective: ``tree`` (parameters, or an optimizer state keyed by them) with every shard at a key
-    of ``shards`` (``sharded``) gathered whole."""
+    """Collective: ``tree`` (parameters, or a state keyed by them) with its ``shards`` gathered whole."""
     return _at_shards(tree, shards, lambda a, shape, backend: gather(backend, [a], [shape])[0])
 
 

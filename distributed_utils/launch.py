@@ -74,12 +74,29 @@ def run_job(hosts, command, args, attempt=0):
             env["DU_TIMELINE"] = os.path.abspath(args.timeline)
             for stale in glob.glob(contract.timeline_path(glob.escape(env["DU_TIMELINE"]), "*")):
                 os.unlink(stale)
+        checked = checked_gbps(hosts, args.backend)  # (before the ranks start: they are supervised at once)
         procs = (start_ring if args.backend == "ring" else start_mpirun)(hosts, command, args, env)
-        return supervise(procs, len(hosts), env, tagged=args.backend != "ring", grace=args.grace)
+        tagged = args.backend != "ring"
+        return supervise(procs, len(hosts), env, tagged=tagged, grace=args.grace, checked=checked)
+
+
+def checked_gbps(hosts, backend, gbps=None):
+    """The bus bandwidth (GB/s) ``--check`` last measured for a job on ``hosts`` (one per rank) over
+    ``backend``, or None; given ``gbps``, it is remembered (in ~/.cache/distributed_utils/checked.json)."""
+    key, known, cache = f"{backend} {' '.join(hosts)}", {}, None
+    with contextlib.suppress(OSError, ValueError, TypeError, RuntimeError):  # (none, unreadable, no home)
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "distributed_utils")
+        known = dict(json.loads((cache / "checked.json").read_text()))
+    if gbps is not None and cache is not None:
+        with contextlib.suppress(OSError):  # (a home one cannot write to: not remembered)
+            cache.mkdir(parents=True, exist_ok=True)
+            (tmp := cache / f".checked.{os.getpid()}").write_text(json.dumps({**known, key: gbps}))
+            os.replace(tmp, cache / "checked.json")
+    found = known.get(key)
+    return found if type(found) in (int, float) and found > 0 else None  # (a file edited by hand: none)
 
 
 def how_preempted(report) -> str:
-    """Which signal preempted the job, and to whom."""
     if report.preempted is not None:
         return signal.Signals(report.preempted).name
     ranks = sorted(report.records["preempted"].items())  # (the signals each got)
@@ -94,13 +111,16 @@ def check(every_host, args) -> int:
     python = split_command(args.command)[0] or sys.executable
     unique = list(dict.fromkeys(hosts))
     pairs = [hosts] if len(unique) == 1 else [[a, b] for i, a in enumerate(unique) for b in unique[i + 1 :]]
-    measure = [python, "-m", "distributed_utils.preflight", "--measure"]
+    measure, slowest = [python, "-m", "distributed_utils.preflight", "--measure"], float("inf")
     for group in pairs:
         code, report, _ = run_job(group, measure, args)
         if code:
             return code
+        slowest = min(slowest, report.records["measured"].get(0, {}).get("gbps", 0))
         if len(unique) > 1:
             faster_paths(group, report, measure, args)
+    if 0 < slowest < float("inf"):  # (for the accounts of later jobs on these hosts)
+        checked_gbps(hosts, args.backend, slowest)
     return 0
 
 
@@ -199,11 +219,9 @@ def read_hostfile(path, n):
 
 
 def reachable(hosts, args, always=False) -> list:
-    """``hosts`` (one per rank) without those where the program's Python cannot run through the
-    remote shell within PROBE_SECONDS, if at least ``--min-ranks`` ranks are left; else exit
-    with a clear error naming each (rather than a job that hangs connecting). With a hostfile
-    (or ``always``: ``--check``, which goes on without none), every host's environment must be
-    the same (``preflight``), or exit 1."""
+    """``hosts`` (one per rank) without those where the program's Python cannot run through the remote
+    shell within PROBE_SECONDS, if ``--min-ranks`` ranks are left (else exit, naming each). With a hostfile
+    (or ``always``: ``--check``, never without one) every host's environment must be the same, or exit 1."""
     if not (args.hostfile or always):
         return hosts
     found = environments(hosts, args)
@@ -258,9 +276,8 @@ _PYTHON_OPTION = re.compile(r"-([bBdEhiIOPqsSuvVxR?]*)([cmWX]?)(.*)|--.*")
 
 
 def environments(hosts, args) -> dict:
-    """{host: its environment (``preflight.environment``: with the program's script, module or
-    program there), or why it cannot be had}, for each host, probed at once through the remote
-    shell (this machine's directly), in the working directory and with the PATH the ranks get."""
+    """{host: its environment (``preflight.environment``, with the program's script, module or program
+    there), or why it cannot be had}: probed at once, through the remote shell (this machine's directly)."""
     python, _, rest = split_command(args.command)
     target = {"-m": ["module", *rest[1:2]], "-c": []}.get(rest[0], ["script", rest[0]]) if rest else []
     python, target = (python, target) if python else (sys.executable, ["program", args.command[0]])
@@ -321,14 +338,11 @@ def resolve(host):
 
 def is_local(ip):
     """Whether ``ip`` is an address of this machine (it can bind to it)."""
-    with socket.socket() as s, contextlib.suppress(OSError):
-        return ipaddress.ip_address(ip).is_loopback or s.bind((ip, 0)) is None
-    return False
+    return ipaddress.ip_address(ip).is_loopback or listen_error(ip, 0) is None
 
 
 def free_ports(ips):
-    """A distinct port per rank, free at this moment on every local address (the OS picks them,
-    so two jobs started at once do not share one); for a remote host a port the OS picked here."""
+    """A distinct port per rank that the OS picks, free now (so two jobs started at once do not share one)."""
     with contextlib.ExitStack() as stack:
         sockets = [stack.enter_context(socket.socket()) for _ in ips]
         for s, ip in zip(sockets, ips):

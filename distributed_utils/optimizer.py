@@ -133,8 +133,13 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         if every:  # (at every call: a traced one, in mx.compile, too)
             self._check_fully_sharded(weight)
         shards = {k: v for k, v in every.items() if v[1] is self.backend}  # reduced already
-        if not self._checked and evaluate(parameters):  # (not while MLX traces)
-            self._check_start(parameters, target, shards)
+        if not self._checked and evaluate(parameters):  # every rank starts alike (not while MLX traces)
+            fsdp.check_mlx_sharding(self.backend, target, "DistributedOptimizer")
+            mine = dict(optimizer=self.rule_name(), accumulate_steps=self.accumulate_steps)
+            settings = {**mine, "shard_optimizer_state": self.sharded, **self.reduction.settings()}
+            replicated = {k: p for k, p in tree_flatten(parameters) if k not in shards}
+            check_start(self.backend, "DistributedOptimizer", replicated, settings)
+            self._checked = True
         cycle = self._accumulate(gradients, weight)
         if cycle is None:
             return None
@@ -153,8 +158,7 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         return self.optimizer.apply_gradients(reduced, target)
 
     def _sharded_step(self, gradients, parameters, scale, weight, what):
-        """ZeRO-1: this rank's shards of the reduced gradients (a reduce-scatter each), the wrapped
-        optimizer's step on this rank's shards of the parameters, the whole parameters all-gathered."""
+        """ZeRO-1: this rank's shards of the reduced gradients step its parameters' shards, all-gathered."""
         grads = dict(self.reduction.check(gradients, weight, what, scale=scale))  # (the same tree everywhere)
         mine = self._my_shards({k: p for k, p in tree_flatten(parameters) if k in grads})
         # (where the transport has no reduce-scatter of its own, all-reduced as unsharded: the same bits)
@@ -166,18 +170,8 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
         updated = self.optimizer.apply_gradients(tree_unflatten(list(grads.items())), mine)
         return fsdp.whole_tree(updated, self._layout)
 
-    def _check_start(self, parameters, model, shards):
-        """Collective: every rank starts alike (``check_start``)."""
-        mine = dict(optimizer=self.rule_name(), accumulate_steps=self.accumulate_steps)
-        settings = {**mine, "shard_optimizer_state": self.sharded, **self.reduction.settings()}
-        fsdp.check_mlx_sharding(self.backend, model, "DistributedOptimizer")
-        replicated = {k: p for k, p in tree_flatten(parameters) if k not in shards}
-        check_start(self.backend, "DistributedOptimizer", replicated, settings)
-        self._checked = True
-
     def _check_fully_sharded(self, weight):
-        """A fully sharded model's gradients were averaged in its backward pass: only an element-by-element
-        optimizer steps them, unweighted, averaged, its state 1/N already."""
+        """ValueError unless the optimizer can step a fully sharded model's gradients, averaged already."""
         fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
         why = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.sharded}
         bad = [name for name, yes in {**why, "weight=": weight is not None}.items() if yes]

@@ -45,13 +45,6 @@ def environment(kind=None, target=None) -> dict:
     return env
 
 
-def addresses() -> list:
-    """This host's IPv4 addresses but loopback, as "ADDRESS/PREFIX" (what `ip` or `ifconfig` says)."""
-    said = subprocess.run("ip -o -4 addr show || ifconfig", shell=True, capture_output=True, text=True).stdout
-    found = re.findall(r"inet ([\d.]+)(?:/(\d+)| netmask (0x[0-9a-f]+))", said)
-    return [f"{a}/{p or bin(int(m, 16)).count('1')}" for a, p, m in found if not a.startswith("127.")]
-
-
 def _exists(kind, target) -> bool:
     if kind == "module":
         try:
@@ -99,7 +92,11 @@ def measure(reps=5):
             runs.append(time.perf_counter() - start)
         timings[nbytes] = du.allreduce(backend, statistics.median(runs[1:]), "max")
     gbps = {size: size * 2 * (n - 1) / n / timings[size] / 1e9 for size in SIZES}  # (every rank's timings)
-    say_record("measured", gbps=gbps[SIZES[-1]], addresses=addresses())  # (for du-launch: each rank's)
+    # this host's IPv4 addresses but loopback, as "ADDRESS/PREFIX" (what `ip` or `ifconfig` says)
+    said = subprocess.run("ip -o -4 addr show || ifconfig", shell=True, capture_output=True, text=True).stdout
+    found = re.findall(r"inet ([\d.]+)(?:/(\d+)| netmask (0x[0-9a-f]+))", said)
+    addresses = [f"{a}/{p or bin(int(m, 16)).count('1')}" for a, p, m in found if not a.startswith("127.")]
+    say_record("measured", gbps=gbps[SIZES[-1]], addresses=addresses)  # (for du-launch: each rank's)
     if du.local_rank(backend) == 0:
         bandwidth = ", ".join(f"{size // 2**20} MB {gbps[size]:.2f} GB/s" for size in SIZES)
         print(

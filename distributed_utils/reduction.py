@@ -53,7 +53,13 @@ class Reduction:
     def __init__(self, backend, op="avg", compression=None, bucket_bytes=None):
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' (du.avg) or 'sum', got {op!r}")
-        self.backend, self.op, self.compression = backend, op, as_compression(compression)
+        name = None if compression is None else str(compression).removeprefix("mlx.core.")
+        if name not in (None, "bfloat16", "float16", "int8"):
+            raise ValueError(
+                f"compression must be None, 'bfloat16', 'float16' or 'int8', got {compression!r}"
+            )
+        self.backend, self.op = backend, op
+        self.compression = getattr(mx, name) if name in ("bfloat16", "float16") else name
         if self.compression == "int8" and backend.size > 127:
             raise ValueError(f"int8 compression sums at most 127 ranks' levels; this job has {backend.size}")
         self.bucket_bytes = backend.bucket_bytes if bucket_bytes is None else bucket_bytes
@@ -75,7 +81,10 @@ class Reduction:
         else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards: no sum can overflow
             share = average_factor(self.backend)
             scale = scale if self.op == "avg" else scale * self.backend.size
-        _raise_cache_limit(4 * sum(g.nbytes for g in arrays))
+        # MLX's cache keeps 32 MiB by default: a larger buffer freed each step would be mapped anew each step
+        limit = 4 * sum(g.nbytes for g in arrays)
+        if (previous := mx.set_cache_limit(limit)) > limit:
+            mx.set_cache_limit(previous)
         if self.compression is None and weight is None:  # as they are: the transport scales
             sent, units, transport_scale = arrays, None, share * scale
         else:
@@ -157,14 +166,6 @@ def inverse(total_weight: mx.array) -> mx.array:
     return mx.where(total_weight > 0, 1 / total_weight, 0.0)
 
 
-def as_compression(compression):
-    """None, ``mx.bfloat16``, ``mx.float16`` or ``"int8"``, from those or their names."""
-    name = None if compression is None else str(compression).removeprefix("mlx.core.")
-    if name not in (None, "bfloat16", "float16", "int8"):
-        raise ValueError(f"compression must be None, 'bfloat16', 'float16' or 'int8', got {compression!r}")
-    return getattr(mx, name) if name in ("bfloat16", "float16") else name
-
-
 def as_weight(weight) -> mx.array:
     """A rank's weight as a 0-d float32 mx.array; NaN for what is not one number (a string, an array
     of another shape): ``Reduction`` then raises on every rank, not on this one alone."""
@@ -181,13 +182,5 @@ def _scaled(x, s, dtype):
 
 @functools.cache
 def _fused(dtype):  # shapeless, and the scale an array: one trace for every shape and scale
-    if dtype == "int8":
-        return mx.compile(lambda x, s: mx.round(x * s).astype(mx.int8), shapeless=True)
-    return mx.compile(lambda x, s: (x * s).astype(dtype), shapeless=True)
-
-
-def _raise_cache_limit(nbytes: int):
-    """MLX's cache keeps 32 MiB by default: a larger buffer freed each step is mapped anew each step."""
-    previous = mx.set_cache_limit(nbytes)
-    if previous > nbytes:
-        mx.set_cache_limit(previous)
+    cast = (lambda y: mx.round(y).astype(mx.int8)) if dtype == "int8" else (lambda y: y.astype(dtype))
+    return mx.compile(lambda x, s: cast(x * s), shapeless=True)

@@ -50,10 +50,9 @@ def main(argv):
 
 
 def stdout_like_a_pipe():
-    """Under mpirun a rank's stdout is a pseudo-terminal 0 columns wide: tqdm draws nothing
-    into it, and libraries that ask ``isatty()`` write terminal codes into du-launch's output,
-    which may be a log file. Make it what it is under the ring launcher: a pipe to du-launch
-    (``isatty()`` is False), as wide as ``COLUMNS`` (du-launch's terminal) or 80 columns."""
+    """Under mpirun a rank's stdout is a pseudo-terminal 0 columns wide: tqdm draws nothing into it, and
+    libraries that ask ``isatty()`` write terminal codes into du-launch's output (maybe a log file). Make it
+    what it is under the ring: a pipe (``isatty()`` False), as wide as ``COLUMNS`` (du-launch's) or 80."""
     if not (job_id() and os.isatty(1)):
         return
     columns, lines = shutil.get_terminal_size((80, 24))  # COLUMNS and LINES first

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import json
 import os
+import queue
 import re
 import signal
 import statistics
@@ -55,10 +56,8 @@ def spawn(argv, env, *, die_with_launcher=signal.SIGKILL):
 
 
 class Report:
-    """What the job's output says of it: the last lines of each rank; the records of the ranks
-    (``contract.record``: which finished, gave their account, were preempted, ...); which ranks the
-    watchdog ended (and which of those had been stopped); which lost a peer; and, from mpirun's own
-    report, which rank failed and how."""
+    """What the job's output says of it: each rank's last lines and records (``contract.record``); which
+    ranks lost a peer, or the watchdog ended (and had been stopped); from mpirun's, which failed and how."""
 
     def __init__(self, world_size):
         self.world_size = world_size
@@ -116,7 +115,7 @@ class Report:
         return text
 
 
-def show_account(report):
+def show_account(report, checked=None):
     """The closing account of a training job (one whose ranks all exited normally, some making steps): each
     rank's steps, its time computing and in collectives (first to last), of that waiting for the others
     (beyond the least a rank spent in them); the straggler (returned, or None); the bus bandwidth."""
@@ -137,7 +136,8 @@ def show_account(report):
             "give it a smaller share (DistributedDataContainer.batches(share='auto')) or a faster machine"
         )
     bus = statistics.median(a["bytes"] for a in ranks.values()) * 2 * (n - 1) / n / max(least, 1e-9) / 1e9
-    said = f"the collectives' bus bandwidth: {bus:.2f} GB/s (what the links can do: du-launch --check)"
+    links = f"--check measured {checked:.2f} GB/s" if checked else "what the links can do: du-launch --check"
+    said = f"the collectives' bus bandwidth: {bus:.2f} GB/s ({links})"
     advice = "; more time in transfers than in computing: a faster link, compression= or DiLoCo"
     log(said + (advice if least > statistics.median(computing.values()) else ""))
     log("account " + json.dumps(dict(ranks={r: ranks[r] for r in sorted(ranks)}, straggler=straggler)))
@@ -169,10 +169,9 @@ def merge_timeline(path, n, straggler=None):
 
 
 def forward(stream, out, report, rank=None):
-    """Copy ``stream`` to ``out`` line by line, each line prefixed with its rank, and scan it.
-    ``rank=None``: the stream is mpirun's, whose ``--output tag`` prefix names each line's rank
-    (mpirun's own lines have none). A carriage return ends a line too, so progress bars redraw
-    in place, each with its rank."""
+    """Copy ``stream`` to ``out`` line by line, each line prefixed with its rank, and scan it. ``rank=None``:
+    mpirun's stream, whose ``--output tag`` names each line's rank (its own lines have none). A carriage
+    return ends a line too: progress bars redraw in place, each with its rank."""
     last_rank, redraw = None, False  # redraw: the last piece ended with a carriage return
     for line in _pieces(stream, tagged=rank is None):
         line_rank, from_rank = rank, True
@@ -211,10 +210,10 @@ def _pieces(stream, tagged=False):
 Failure = collections.namedtuple("Failure", "code rank how")
 
 
-def supervise(procs, world_size, env, tagged=False, grace=0):
+def supervise(procs, world_size, env, tagged=False, grace=0, checked=None):
     """Wait for every process; when one fails, stop the rest; then the job's account. Returns (exit code,
     Report, Failure or None). ``env``: what du-launch gave the ranks; ``tagged``: ``procs`` is one mpirun,
-    which stops the ranks itself; ``grace``: see ``stop_on_signals``."""
+    which stops the ranks itself; ``grace``: see ``stop_on_signals``; ``checked``: what --check measured."""
     report = Report(world_size)
     stop_on_signals(procs, report, grace)  # (before any output shows: a line seen means they are set)
     readers = {}  # rank (0 for mpirun) -> the threads reading its output
@@ -235,7 +234,7 @@ def supervise(procs, world_size, env, tagged=False, grace=0):
     show_lost_reports(report, env["DU_REPORT_DIR"])
     if report.watchdog:
         log(report.watchdog_summary())
-    straggler = show_account(report) if failure is None else None
+    straggler = show_account(report, checked) if failure is None else None
     if env.get("DU_TIMELINE"):  # (also of a job that failed: the ranks that ended normally)
         try:
             merge_timeline(env["DU_TIMELINE"], world_size, straggler)
@@ -247,22 +246,17 @@ def supervise(procs, world_size, env, tagged=False, grace=0):
 def wait_ranks(procs, report, readers):
     """The ring's processes, one per rank: wait until all exit 0 (None), or one fails: then let
     the others that fail with it settle, and name the cause (a Failure; ``supervise`` stops the rest)."""
-    exits = []  # (rank, code), in the order the launcher saw them
-    exited = threading.Condition()
-
-    def wait(rank, p):
-        code = p.wait()
-        with exited:
-            exits.append((rank, code))
-            exited.notify()
-
+    exited, exits = queue.SimpleQueue(), []  # (rank, code), in the order the launcher saw them
     for rank, p in enumerate(procs):
-        threading.Thread(target=wait, args=(rank, p), daemon=True).start()
-    with exited:
-        exited.wait_for(lambda: len(exits) == len(procs) or any(code for _, code in exits))
-        if all(code == 0 for _, code in exits):
-            return None
-        exited.wait_for(lambda: len(exits) == len(procs), timeout=SETTLE_SECONDS)
+        threading.Thread(target=lambda r, p: exited.put((r, p.wait())), args=(rank, p), daemon=True).start()
+    while len(exits) < len(procs) and all(code == 0 for _, code in exits):
+        exits.append(exited.get())
+    if all(code == 0 for _, code in exits):
+        return None
+    deadline = time.monotonic() + SETTLE_SECONDS  # for the others that fail with it
+    with contextlib.suppress(queue.Empty):
+        while len(exits) < len(procs):
+            exits.append(exited.get(timeout=max(0, deadline - time.monotonic())))
     failures = [(r, c) for r, c in exits if c]
     if ended := _launchers_own(report, [-c for _, c in failures]):
         return ended
@@ -317,9 +311,8 @@ def exit_code(returncode) -> int:
 
 
 def _launchers_own(report, signals):
-    """None, unless the ranks ended by du-launch's own doing, for no fault of theirs: it stops them
-    (``stop_on_signals``: wait here for the thread that stops them to end du-launch), or they
-    ended on the SIGUSR1 it forwarded (a program without du.preempted): a Failure of no rank."""
+    """None, unless the ranks ended by du-launch's doing: it stops them (wait for ``stop_on_signals`` to
+    end du-launch), or they ended on the SIGUSR1 it forwarded (no du.preempted): a Failure of no rank."""
     if report.stopping is not None:
         threading.Event().wait()
     if report.preempted is None or set(signals) != {signal.SIGUSR1}:
@@ -364,17 +357,15 @@ def stop(procs, signals=(signal.SIGTERM, signal.SIGKILL)):
 
 
 def stop_on_signals(procs, report, grace=0):
-    """Ctrl-C or SIGHUP (a closed terminal or ssh session) to the launcher stops the whole job.
-    SIGTERM or SIGUSR1 (a scheduler's preemption) is forwarded to the ranks as SIGUSR1 (see
-    ``preemption.py``; mpirun forwards it to its ranks), and the job gets ``grace`` seconds to
-    end by itself before it is stopped (0: SIGTERM stops it at once). Stopped so, the job
-    exits 128 + the signal du-launch received, and no rank is blamed. (A SIGKILL cannot be
-    caught: then the ranks stop themselves, see ``spawn``.)"""
+    """Ctrl-C or SIGHUP (a closed terminal or ssh session) stops the whole job. SIGTERM or SIGUSR1 (a
+    scheduler's preemption) is forwarded to the ranks as SIGUSR1 (``preemption.py``; mpirun forwards it to
+    its ranks): the job gets ``grace`` seconds to end before it is stopped (0: SIGTERM stops it at once).
+    Stopped so, it exits 128 + the signal, no rank blamed (SIGKILL: the ranks stop themselves, ``spawn``)."""
 
-    def stop_all(signum, why):
+    def stop_all(signum, frame=None, why=None):  # (a signal handler, or the grace period's end)
         report.stopping = signum
         try:
-            log(f"{why}; stopping all ranks")
+            log(f"{why or f'received {signal.Signals(signum).name}'}; stopping all ranks")
         finally:  # (a closed terminal fails the log)
             stop(procs)
             os._exit(exit_code(-signum))  # from any thread's wait: no restart after this
@@ -391,16 +382,14 @@ def stop_on_signals(procs, report, grace=0):
             if not getattr(p, "remote", False):  # (remote ranks hear it from du.preempted's collective)
                 p.send_signal(signal.SIGUSR1)
         why = f"the job did not end within the grace period ({grace:g} s)"
-        report.grace = threading.Timer(grace, stop_all, (signum, why))
+        report.grace = threading.Timer(grace, stop_all, (signum, None, why))
         report.grace.daemon = True
         report.grace.start()
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
             preempting = grace and sig in (signal.SIGTERM, signal.SIGUSR1)
-            signal.signal(
-                sig, preempt if preempting else lambda n, _: stop_all(n, f"received {signal.Signals(n).name}")
-            )
+            signal.signal(sig, preempt if preempting else stop_all)
 
 
 def log(message):

@@ -69,7 +69,8 @@ class Collective:
     seq = 0
 
     def __init__(self, rank: int, what: str, details=(), arrays=None):
-        self.rank, self.what, self.details, self.arrays = rank, what, details, arrays
+        self.rank, self.what, self.details = rank, what, details
+        self.arrays = arrays if isinstance(arrays, list) else [] if arrays is None else [arrays]
 
     def __enter__(self):
         if _state.depth:
@@ -86,14 +87,10 @@ class Collective:
             _state.depth = 0
             _finished(self)
 
-    def listed(self) -> list:
-        return self.arrays if isinstance(self.arrays, list) else [] if self.arrays is None else [self.arrays]
-
     def text(self, limit=None) -> str:
         """What reports show and debug mode checks: ``#5 allreduce(float32(3,), sum)`` (``limit`` arrays)."""
-        arrays = self.listed()
-        shown = [show(signature(a)) for a in arrays[:limit]]
-        more = [f"... ({len(arrays)} arrays)"] if limit is not None and len(arrays) > limit else []
+        shown = [show(signature(a)) for a in self.arrays[:limit]]
+        more = [f"... ({len(self.arrays)} arrays)"] if limit is not None and len(self.arrays) > limit else []
         return f"#{self.seq} {self.what}({', '.join(shown + more + list(self.details))})"
 
 
@@ -144,7 +141,7 @@ def _register(region):
 
 def _finished(region):
     """``region`` has ended: out of the watch; into the account (a collective: ``seq`` > 0) and timeline."""
-    end, nbytes = time.monotonic(), sum(getattr(a, "nbytes", 0) for a in region.listed())
+    end, nbytes = time.monotonic(), sum(getattr(a, "nbytes", 0) for a in region.arrays)
     _state.inflight.pop(region, None)
     if region.seq:
         _state.waited, _state.sent = _state.waited + end - region.start, _state.sent + nbytes
@@ -236,8 +233,7 @@ def _expire(entries):
 
 
 def _say(message):
-    """Print ``message`` to stderr, the process's own stderr when pytest captures sys.stderr,
-    and the launcher's report file (captured output is lost at exit)."""
+    """``message`` to stderr, the process's own (pytest may capture sys.stderr) and the report file."""
     streams, path = [sys.stderr, sys.__stderr__], report_path()
     with contextlib.suppress(Exception):  # (a replacement without a file descriptor: write to both)
         if sys.stderr.fileno() == sys.__stderr__.fileno():

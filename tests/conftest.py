@@ -5,6 +5,9 @@ same tests in the same order. Under du-launch the library's pytest plugin
 hypothesis seed for every rank (new each job, in the header), and ends the job at a rank's
 first failure."""
 
+import os
+import tempfile
+
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
@@ -24,6 +27,8 @@ settings.load_profile("ranks")
 
 
 def pytest_configure(config):
+    # du-launch --check remembers its figure in the user's cache: the tests' jobs, in a folder of their own
+    os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="du-tests-cache-"))
     config.addinivalue_line(
         "markers",
         "world(min_size=1, backend=None): a test for worlds of at least min_size ranks (and of "

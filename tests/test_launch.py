@@ -241,13 +241,23 @@ def test_a_test_failing_on_one_rank_ends_the_job_with_its_assertion(backend, tmp
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_check_on_one_machine_measures_the_job_and_finds_a_missing_script(backend):
-    run = launch(2, backend, ["--check", "python", "examples/digits.py"], timeout=120)
+def test_check_on_one_machine_measures_the_job_and_finds_a_missing_script(backend, tmp_path):
+    """--check measures the job's links, and a job on the same hosts compares its account with that."""
+    cache = {"XDG_CACHE_HOME": str(tmp_path)}
+    run = launch(2, backend, ["--check", "python", "examples/digits.py"], timeout=120, env=cache)
     assert run.returncode == 0, run.stdout
     assert "examples/digits.py exists" in run.stdout, run.stdout
-    assert re.search(
-        r"\[rank 0\] \S+ \(2 ranks, \w+Backend\): latency \d+ us; bus bandwidth 1 MB", run.stdout
-    ), run.stdout
+    measured = re.search(
+        r"\[rank 0\] \S+ \(2 ranks, \w+Backend\): latency \d+ us; bus bandwidth 1 MB.* ([\d.]+) GB/s$",
+        run.stdout,
+        re.M,
+    )
+    assert measured, run.stdout
+    run = launch(2, backend, ["python", "-c", SLOWED], timeout=120, env=cache)  # (2 ranks: none slowed)
+    said = re.search(
+        r"du-launch: the collectives' bus bandwidth: [\d.]+ GB/s \(--check measured ([\d.]+) GB/s", run.stdout
+    )
+    assert run.returncode == 0 and said and said[1] == measured[1], run.stdout
     run = launch(2, backend, ["--check", "python", "no/such/script.py"], timeout=60)
     assert run.returncode == 1, run.stdout
     assert "the script no/such/script.py is missing" in run.stdout, run.stdout

@@ -4,6 +4,8 @@ Collectives are lazy graph nodes on the CPU stream (NCCL's on the GPU: on a Mac,
 watchdog can kill a GPU stream that waits on the network). Broadcast is an integer all_sum of
 root's bits (exact for NaN payloads and -0.0); prod gathers and multiplies."""
 
+import os
+
 import mlx.core as mx
 
 from . import contract
@@ -128,6 +130,9 @@ class NCCLBackend(MLXBackend):
     mlx_name, launch_name, native_reduce_scatter = "nccl", "nccl", True
     stream = None
     requires = "it needs the CUDA build of MLX (`pip install mlx[cuda]`) and NVIDIA GPUs"
+
+    def prepare(self):  # (NCCL says why it refuses a start, such as two ranks on one GPU, only when asked)
+        os.environ.setdefault("NCCL_DEBUG", "WARN")
 
 
 class JACCLBackend(MLXBackend):
