@@ -1,10 +1,11 @@
 """Checkpoints that survive a job killed at any moment, and resume to the same trajectory (bit for
-bit, with the same data order). Rank 0 writes one safetensors file atomically (a CRC-32 per array, one
-over the metadata and the header), so ``path`` always holds the last complete checkpoint, and reads it
-back for every rank: the other ranks (on other hosts) need not see it. Arrays travel one piece at a
-time: a fully sharded model is gathered one parameter at a time as rank 0 writes it, and each rank
-keeps only its shards of what it reads back, so no rank ever holds the whole model."""
+bit, with the same data order). One safetensors file is written atomically (a CRC-32 per array, one
+over the metadata and the header), so ``path`` always holds the last complete checkpoint: by every rank
+where each sees rank 0's folder (each writes its shards of a fully sharded model), else by rank 0 alone
+(gathering one shard at a time). Rank 0 reads it back for every rank (the others need not see it), each
+keeping only its shards: no rank ever holds the whole of a fully sharded model."""
 
+import contextlib
 import itertools
 import json
 import math
@@ -26,7 +27,8 @@ from .state import of
 from .synchronize import synchronize
 from .tree import describe
 
-FORMAT = "distributed_utils.checkpoint/2"
+FORMAT = "distributed_utils.checkpoint/3"  # (3: a sharded array's CRC-32 per rank's piece)
+_FORMAT_2 = "distributed_utils.checkpoint/2"
 _FORMAT_1 = "distributed_utils.checkpoint/1"  # (read too: without the checksum of the metadata)
 #: While rank 0 writes, every rank hears from it this often: a long save is no stall; a stopped rank 0 is.
 HEARTBEAT_SECONDS = 1.0
@@ -93,9 +95,14 @@ def save_checkpoint(
 
 
 def _root_writes(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then=None, stale=None):
-    """Collective: rank 0 writes ``arrays`` to ``path`` (each shard at a key of ``wholes``, ``{key: (whole
-    shape, backend)}``, gathered whole in its turn), runs ``then()``, heartbeats going out."""
-    last = time.monotonic()
+    """Collective: ``arrays`` written to ``path`` (each shard at a key of ``wholes``, ``{key: (whole shape,
+    backend)}``, as its whole), then ``then()`` on rank 0. Where every rank sees rank 0's new file (one shared
+    folder), each rank writes its own shards' bytes; else rank 0 writes all, gathering one shard at a time."""
+    specs = {k: (a.dtype, wholes[k][0] if k in wholes else a.shape) for k, a in arrays.items()}
+    if wholes and backend.size > 1 and all(b is backend for _, b in wholes.values()):  # (hybrid: rank 0's)
+        if _every_rank_writes(backend, path, arrays, wholes, specs, meta_json, then, stale):
+            return
+    last, layout = time.monotonic(), _layout(specs, meta_json)
 
     def heartbeat(flag=1):  # (rank 0's: 1 "still writing", 2 "gather the next shard", 0 "done")
         nonlocal last
@@ -116,16 +123,63 @@ def _root_writes(backend, path: Path, arrays: dict, wholes: dict, meta_json: str
             if flag == 2:
                 produce(next(gathers))
 
+    def fill(f):  # (each array in turn, from the first array's place)
+        for key in arrays:
+            data = np.asarray(bits(produce(key)))
+            layout[2][key] = zlib.crc32(data)
+            heartbeat()
+            _write_pieces(f, data, heartbeat)
+
     def write():
         try:  # (whatever fails, the others hear 0 and leave their loop)
-            specs = {k: (a.dtype, wholes[k][0] if k in wholes else a.shape) for k, a in arrays.items()}
-            _write_atomically(path, specs, produce, meta_json, heartbeat, stale)
+            _finished(_started(path, stale)[0], path, layout, fill, then=then)
         finally:
             bcast(backend, np.array([0]), 0)
-        if then:
-            then()
 
     root_runs(backend, write, 0, CheckpointError, f"write {path}")
+
+
+def _every_rank_writes(
+    backend, path: Path, arrays: dict, wholes: dict, specs, meta_json, then, stale
+) -> bool:
+    """Collective: if every rank sees the file rank 0 starts, each writes its shards' bytes into it (rank 0 also
+    the rest and the header, then ``_finished``, verified); else False, nothing written (no shared folder)."""
+    layout = specs, _, crcs, _, offsets = _layout(specs, meta_json, wholes, backend.size)
+    started = lambda: (*_started(path, stale), offsets)  # noqa: E731  (rank 0's: its metadata's room)
+    tmp, token, offsets = root_runs(backend, started, 0, CheckpointError, f"write {path}")
+    seen = False
+    with contextlib.suppress(OSError), open(tmp, "rb") as f:  # (a file of that name elsewhere: not the token)
+        seen = f.read(8 + len(token))[8:] == token
+    if not all(allgather(backend, seen)):
+        if backend.rank == 0:
+            tmp.unlink(missing_ok=True)
+        return False
+    mine, error, r = {}, None, backend.rank
+    try:
+        with open(tmp, "r+b") as f:
+            for key, (dtype, shape) in specs.items():
+                if key not in wholes and r != 0:
+                    continue
+                c = arrays[key].size if key in wholes else 0  # (a shard: elements r * c .. of the whole)
+                data = np.asarray(bits(arrays[key][: max(0, math.prod(shape) - r * c)] if c else arrays[key]))
+                mine[key] = zlib.crc32(data)
+                f.seek(offsets[key] + r * c * dtype.size)
+                _write_pieces(f, data, lambda: None)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as e:  # (every rank must hear of it: rank 0 removes the file)
+        error = f"rank {r} could not write its shards: {type(e).__name__}: {e}"
+    everyone = allgather(backend, (mine, error))
+
+    def combine(_):
+        if errors := [e for _, e in everyone if e]:
+            raise OSError("; ".join(errors))
+        for key in crcs:
+            crcs[key] = [theirs[key] for theirs, _ in everyone] if key in wholes else everyone[0][0][key]
+
+    finish = lambda: _finished(tmp, path, layout, combine, verify=True, then=then)  # noqa: E731
+    root_runs(backend, finish, 0, CheckpointError, f"write {path}")
+    return True
 
 
 @watchdog.watch("load_checkpoint", timeout=0)
@@ -215,32 +269,46 @@ def _section(arrays, section) -> list:
     return [(k.removeprefix(section + "."), v) for k, v in arrays.items() if k.startswith(section + ".")]
 
 
-def _write_atomically(path: Path, specs: dict, produce, meta_json: str, heartbeat, stale=None):
-    """Write the arrays of ``specs`` (``{key: (dtype, shape)}``; each ``produce(key)``, in turn; float64
-    as its bits) and their CRC-32s as safetensors to a temporary file (removed on failure; those of
-    killed saves, ``stale``, before), fsync, rename to ``path``, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for old in path.parent.glob(stale or f".{path.name}.tmp-*"):  # left by a killed job
-        old.unlink(missing_ok=True)
+def _layout(specs: dict, meta_json: str, pieced=(), n=1):
+    """``(specs, metadata, CRC-32s, room, offsets)`` of a file of ``specs``'s arrays (float64 as its bits): room
+    for the widest CRC-32s (of ``pieced`` keys, a list: one per rank's piece), each array's offset."""
     doubles = [key for key, (dtype, _) in specs.items() if dtype == mx.float64]
     specs = {k: (mx.uint64 if k in doubles else dtype, shape) for k, (dtype, shape) in specs.items()}
     metadata = {"distributed_utils": meta_json, "float64": json.dumps(doubles)}
     metadata["keys"] = json.dumps(list(specs))  # (mx.load's own order is not theirs)
-    crcs = dict.fromkeys(specs, 2**32 - 1)  # (the widest: room for the header, written last)
-    room = len(_header(specs, metadata, crcs)) + 10
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    crcs = {key: [2**32 - 1] * n if key in pieced else 2**32 - 1 for key in specs}
+    header = _header(specs, metadata, crcs)
+    room = len(header) + 10
+    offsets = {k: 8 + room + v["data_offsets"][0] for k, v in json.loads(header).items() if k in specs}
+    return specs, metadata, crcs, room, offsets
+
+
+def _started(path: Path, stale=None):
+    """A new temporary file beside ``path`` (those of killed saves, ``stale``, removed first), holding a
+    random token after its first 8 bytes: ``(its path, the token)``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for old in path.parent.glob(stale or f".{path.name}.tmp-*"):  # left by a killed job
+        old.unlink(missing_ok=True)
+    tmp, token = path.parent / f".{path.name}.tmp-{os.getpid()}", os.urandom(16)
+    tmp.write_bytes(bytes(8) + token)
+    return tmp, token
+
+
+def _finished(tmp: Path, path: Path, layout, fill, verify=False, then=None):
+    """``fill(f)`` (``tmp`` open at its first array's place), then ``layout``'s header with the CRC-32s filled
+    in, fsync, (``verify``: every array read back against them,) renamed to ``path``, the directory synced,
+    ``then()``. Whatever fails, ``tmp`` is removed."""
+    specs, metadata, crcs, room, _ = layout
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "r+b") as f:
             f.seek(8 + room)
-            for key in specs:
-                data = np.asarray(bits(produce(key)))
-                crcs[key] = zlib.crc32(data)
-                heartbeat()
-                _write_pieces(f, data, heartbeat)
+            fill(f)
             f.seek(0)
             f.write(struct.pack("<Q", room) + _header(specs, metadata, crcs).ljust(room))
             f.flush()
             os.fsync(f.fileno())
+        if verify:  # (bytes several ranks wrote: checked as a load will, or the last checkpoint stays)
+            _check_crcs(tmp, dict(mx.load(str(tmp), format="safetensors")), crcs)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -250,6 +318,8 @@ def _write_atomically(path: Path, specs: dict, produce, meta_json: str, heartbea
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+    if then:
+        then()
 
 
 def _header(specs: dict, metadata: dict, crcs: dict) -> bytes:
@@ -343,20 +413,30 @@ def _verified(path: Path):
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path} is not a distributed_utils checkpoint (no metadata)") from None
     missing = {"format", "step", "extra", "world_size", "data", "optimizer"} - set(meta)
-    if meta.get("format") not in (FORMAT, _FORMAT_1) or missing:
+    if meta.get("format") not in (FORMAT, _FORMAT_2, _FORMAT_1) or missing:
         why = f"format {meta.get('format')!r}, missing {sorted(missing)}"
         raise CheckpointError(f"{path} is not a {FORMAT} checkpoint ({why})")
-    if meta["format"] == FORMAT and "header_crc32" not in saved:
+    if meta["format"] != _FORMAT_1 and "header_crc32" not in saved:
         raise damaged
     if crcs is None or meta["format"] == _FORMAT_1:
         unverified = "checksums" if crcs is None else "a checksum of its metadata"
         warnings.warn(f"{path} was written without {unverified} (by an older version): loaded unverified")
     keys = list(arrays)
-    for key in keys:  # (each array read, checked and let go; read again, lazily, as it is sent)
-        if crcs is not None and zlib.crc32(np.asarray(bits(arrays.pop(key)))) != crcs.get(key):
-            raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
+    if crcs is not None:  # (read again, lazily, as they are sent)
+        _check_crcs(path, arrays, crcs)
     arrays, doubles = mx.load(str(path), format="safetensors"), json.loads(saved.get("float64", "[]"))
     return {key: arrays[key].view(mx.float64) if key in doubles else arrays[key] for key in keys}, meta
+
+
+def _check_crcs(path, arrays: dict, crcs: dict):
+    """CheckpointError unless the bytes of each of ``arrays`` (read, checked and let go, in turn) match their
+    CRC-32 (a list: those of its pieces, one per rank, as ``_every_rank_writes`` wrote them)."""
+    for key in list(arrays):
+        data, want = np.asarray(bits(arrays.pop(key))), crcs.get(key)
+        n = len(want) if isinstance(want, list) else 0
+        c = -(-data.size // max(n, 1))
+        if ([zlib.crc32(data[r * c : (r + 1) * c]) for r in range(n)] if n else zlib.crc32(data)) != want:
+            raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
 
 
 def _check_fits(path, section, saved, tree, exact=True):

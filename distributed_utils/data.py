@@ -60,8 +60,7 @@ class DistributedDataContainer:
             raise IndexError(f"{self._label}: index {i} is out of range for this rank's {len(self)} items")
         return self._item(self.indices[i])
 
-    def _item(self, j):
-        """Global item ``j``."""
+    def _item(self, j):  # (global)
         return self.data[j] if self._columns is None else _map_fields(self._columns, lambda f: f[j])
 
     def __iter__(self):
@@ -263,12 +262,12 @@ def _columns_and_length(data, where):
             raise ValueError(f"{where}: data is an empty {type(data).__name__} (no fields)")
         lengths = {}
         for key, field in data.items() if isinstance(data, dict) else enumerate(data):
-            if not _indexable(field) or isinstance(field, (tuple, dict)):
+            if isinstance(field, (tuple, dict)) or (m := _len(field, where)) is None:
                 raise TypeError(
                     f"{where}: field {key!r} is a {type(field).__name__}; the fields of a tuple or dict "
                     "must be arrays or lists (len and indexing; no nested tuples or dicts)"
                 )
-            lengths[key] = _len(field, where)
+            lengths[key] = m
         (first, n), *_ = lengths.items()
         for key, m in lengths.items():
             if m != n:
@@ -276,9 +275,7 @@ def _columns_and_length(data, where):
                     f"{where}: field {key!r} has {m} items but field {first!r} has {n}; every field "
                     "needs the same length (first axis)"
                 )
-    elif _indexable(data):
-        n = _len(data, where)
-    else:
+    elif (n := _len(data, where)) is None:
         raise TypeError(
             f"{where}: cannot index a {type(data).__name__}; pass a sequence (an iterator: list() it "
             "first), a numpy or mx array, a tuple or dict of arrays, or a datasets.Dataset"
@@ -288,11 +285,10 @@ def _columns_and_length(data, where):
     return columns, n
 
 
-def _indexable(x) -> bool:
-    return hasattr(x, "__len__") and hasattr(x, "__getitem__")
-
-
-def _len(x, where) -> int:
+def _len(x, where):
+    """``len(x)``, or None if ``x`` has no length or indexing; a TypeError for a 0-d array."""
+    if not (hasattr(x, "__len__") and hasattr(x, "__getitem__")):
+        return None
     try:
         return len(x)
     except TypeError:

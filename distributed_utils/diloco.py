@@ -140,7 +140,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         self._local = {k: v[row] for k, v in tree_flatten(ranks["local"])}
         started = dict(tree_flatten(state.get("started", {})))
         in_flight = [(f, keys) for f, keys in enumerate(self._fragment_keys) if keys[0] in started]
-        self._started = {f: Pending({k: started[k] for k in keys}) for f, keys in in_flight}
+        self._started = {f: Pending(lambda keys=keys: {k: started[k] for k in keys}) for f, keys in in_flight}
         if model is not None:
             model.update(tree_unflatten(list(self._local.items())))
 

@@ -7,14 +7,15 @@ backward pass. ZeRO-1 (the sharded optimizer state) and checkpoints use the same
 import collections
 import functools
 import math
-import socket
 import weakref
 
 import mlx.core as mx
 from mlx import nn
 from mlx import optimizers as optim
+from mlx.nn.layers import distributed as mlx_sharded
 from mlx.utils import tree_flatten, tree_unflatten
 
+from . import registry
 from .arrays import bits, evaluate, is_floating, to_mx, to_numpy
 from .collectives import allgather, allreduce, bcast, check_backend, check_count, check_same
 from .reduction import Reduction
@@ -256,8 +257,7 @@ def split(backend, color: int):
     check_backend(backend)
     color = check_count(color, 0, "du.split: color")
     sub = backend if backend.size == 1 else backend.split(color)
-    hosts = allgather(sub, socket.gethostname())
-    sub.node_rank = hosts[: sub.rank].count(hosts[sub.rank])
+    registry.handshake(sub)  # (its node_rank)
     return sub
 
 
@@ -288,10 +288,8 @@ def check_mlx_sharding(backend, model, who: str, replicated_ok=True):
     """Collective: ValueError on every rank if ``model`` holds MLX's own sharded layers whose parameters
     differ across ``backend`` (``nn.fully_shard``'s; ``shard_linear``'s, unless ``replicated_ok`` and
     every rank holds the same shard): broadcasting, averaging or saving one rank's would be wrong."""
-    from mlx.nn.layers import distributed as mlx
-
-    kinds = (mlx.FullyShardedModule, mlx.AllToShardedLinear, mlx.ShardedToAllLinear)
-    kinds += (mlx.QuantizedAllToShardedLinear, mlx.QuantizedShardedToAllLinear)
+    kinds = (mlx_sharded.FullyShardedModule, mlx_sharded.AllToShardedLinear, mlx_sharded.ShardedToAllLinear)
+    kinds += (mlx_sharded.QuantizedAllToShardedLinear, mlx_sharded.QuantizedShardedToAllLinear)
     layers = model.named_modules() if isinstance(model, nn.Module) else []
     found = [(p, m) for p, m in layers if isinstance(m, kinds)]
     found = [(p, m) for p, m in found if not (hasattr(m, "group") and m.group.size() == 1)]

@@ -12,10 +12,10 @@ from . import fsdp, watchdog
 from .arrays import bits, evaluate, widened
 from .collectives import check_backend, check_count, check_same
 from .reduction import Reduction, as_weight, inverse
-from .state import OptimizerState, check_plain, has_entries, of, scalars
+from .state import Plain, check_plain, has_entries, scalars
 
 
-class DistributedOptimizer(OptimizerState, optim.Optimizer):
+class DistributedOptimizer(Plain, optim.Optimizer):
     """Wraps ``optimizer`` so that every update first reduces the gradients across all ranks
     (``reduce_gradients``). A drop-in: ``update``, ``apply_gradients``, ``init``, ``state`` (the
     wrapped one's, which ``mx.compile(..., inputs=state)`` sees) and every other attribute
@@ -73,20 +73,11 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
 
     def init(self, parameters):
         """The wrapped optimizer's ``init`` (of this rank's shards when sharded); local."""
-        self.optimizer.init(self._my_shards(parameters) if self.sharded else parameters)
+        self.optimizer.init(self._my_shards(tree_flatten(parameters)) if self.sharded else parameters)
 
-    def _my_shards(self, parameters):
-        leaves = dict(tree_flatten(parameters))
-        self._layout = {k: (a.shape, self.backend) for k, a in leaves.items()}
-        return tree_unflatten(
-            [(k, fsdp.shard_of(a, self.backend.size, self.backend.rank)) for k, a in leaves.items()]
-        )
-
-    def rule_name(self) -> str:
-        return of(self.optimizer).rule_name()
-
-    def initialized(self) -> bool:
-        return of(self.optimizer).initialized()
+    def _my_shards(self, flat):  # (flat: [(key, parameter)])
+        self._layout = {k: (a.shape, self.backend) for k, a in flat}
+        return tree_unflatten([(k, fsdp.shard_of(a, self.backend.size, self.backend.rank)) for k, a in flat])
 
     def shared_state(self) -> dict:
         return scalars(self.state) if self.sharded else self.state  # (sharded: each its shards)
@@ -130,8 +121,16 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
                 "DistributedOptimizer.apply_gradients cannot tell shards from the rest: use update"
             )
         every = fsdp.sharded(target)  # (their gradients, averaged in the backward pass: no weight, no op)
-        if every:  # (at every call: a traced one, in mx.compile, too)
-            self._check_fully_sharded(weight)
+        if every:  # (checked at every call: a traced one, in mx.compile, too)
+            fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
+            why = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.sharded}
+            bad = [name for name, yes in {**why, "weight=": weight is not None}.items() if yes]
+            if bad:
+                raise ValueError(
+                    f"DistributedOptimizer: a fully sharded model's gradients are averaged in its "
+                    f"backward pass, before update() sees them: {bad[0]} cannot apply (to weight the ranks, "
+                    "scale each rank's loss by N * w_r / sum(w): README)"
+                )
         shards = {k: v for k, v in every.items() if v[1] is self.backend}  # reduced already
         if not self._checked and evaluate(parameters):  # every rank starts alike (not while MLX traces)
             fsdp.check_mlx_sharding(self.backend, target, "DistributedOptimizer")
@@ -160,7 +159,7 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
     def _sharded_step(self, gradients, parameters, scale, weight, what):
         """ZeRO-1: this rank's shards of the reduced gradients step its parameters' shards, all-gathered."""
         grads = dict(self.reduction.check(gradients, weight, what, scale=scale))  # (the same tree everywhere)
-        mine = self._my_shards({k: p for k, p in tree_flatten(parameters) if k in grads})
+        mine = self._my_shards([(k, p) for k, p in tree_flatten(parameters) if k in grads])
         # (where the transport has no reduce-scatter of its own, all-reduced as unsharded: the same bits)
         if self.backend.native_reduce_scatter:
             grads = fsdp.reduce_scatter(self.reduction, grads, what=what, scale=scale, weight=weight)
@@ -169,18 +168,6 @@ class DistributedOptimizer(OptimizerState, optim.Optimizer):
             grads = {k: fsdp.shard_of(g, self.backend.size, self.backend.rank) for k, g in grads.items()}
         updated = self.optimizer.apply_gradients(tree_unflatten(list(grads.items())), mine)
         return fsdp.whole_tree(updated, self._layout)
-
-    def _check_fully_sharded(self, weight):
-        """ValueError unless the optimizer can step a fully sharded model's gradients, averaged already."""
-        fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
-        why = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.sharded}
-        bad = [name for name, yes in {**why, "weight=": weight is not None}.items() if yes]
-        if bad:
-            raise ValueError(
-                f"DistributedOptimizer: a fully sharded model's gradients are averaged in its backward "
-                f"pass, before update() sees them: {bad[0]} cannot apply (to weight the ranks, scale each "
-                "rank's loss by N * w_r / sum(w): README)"
-            )
 
     def _accumulate(self, gradients, weight):
         """``(gradients, scale, weight)`` to reduce at the cycle's k-th call (the mean over the calls,

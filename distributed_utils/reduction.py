@@ -75,7 +75,7 @@ class Reduction:
         what, weight = what or "reduce_gradients(grads)", None if weight is None else as_weight(weight)
         arrays = [g for _, g in self.check(tree, weight, what, verify, scale)]
         if self.backend.size == 1 and weight is None:  # (a reduce-scatter's one part is the whole)
-            return Pending(replace_arrays(tree, [g if scale == 1.0 else g * scale for g in arrays]))
+            return Pending(lambda: replace_arrays(tree, [g if scale == 1.0 else g * scale for g in arrays]))
         if weight is not None:
             share = self._share(weight, what)
         else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards: no sum can overflow
@@ -106,7 +106,7 @@ class Reduction:
                 out = [_scaled(piece, unit * scale, g.dtype) for piece, unit, g in zip(out, units, arrays)]
             return replace_arrays(tree, out)
 
-        return Pending(finish=reduced)
+        return Pending(reduced)
 
     def check(self, tree, weight, what, verify=True, scale=1.0) -> list:
         """Collective: ``[(key, array)]``, the (floating, else TypeError) mx.arrays of ``tree``, once every
@@ -149,16 +149,10 @@ class Reduction:
 
 
 class Pending:
-    """A reduction begun by ``Reduction.reduce``: its tree (``result``), or ``finish()`` gives it."""
+    """A reduction begun by ``Reduction.reduce``: ``wait()`` (collective, the first time) gives its tree."""
 
-    def __init__(self, result=None, finish=None):
-        self.result, self.finish = result, finish
-
-    def wait(self):
-        """Collective (the first time, if started): the reduced tree."""
-        if self.finish is not None:
-            self.result, self.finish = self.finish(), None
-        return self.result
+    def __init__(self, finish):
+        self.wait = functools.cache(finish)
 
 
 def inverse(total_weight: mx.array) -> mx.array:

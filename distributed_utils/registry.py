@@ -22,18 +22,15 @@ def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> Abst
     _check_backend_type(backend_type)
     watchdog.configure(timeout, debug)
     if backend_type not in _BACKENDS:
-        with watchdog.connecting(f"initialize({backend_type.__name__})"):
+        with watchdog.connecting(f"initialize({backend_type.__name__})", contract.job_id() is not None):
             backend = backend_type(**kwargs)
-            _handshake(backend)
+            handshake(backend, contract.expected_world_size())
         _BACKENDS[backend_type] = backend
-        if contract.job_id() is not None:
-            watchdog.exit_with_launcher()
     return _BACKENDS[backend_type]
 
 
-def _handshake(backend):
-    """Learn ``node_rank``; check that every rank is of this job (two jobs on one port cross-connect)."""
-    expected = contract.expected_world_size()
+def handshake(backend, expected=None):
+    """Collective: learn ``node_rank``; check the size (``expected``) and that every rank is of this job."""
     if expected is not None and expected != backend.size:
         launcher = "du-launch" if contract.job_id() else "mpirun"
         raise contract.BackendUnavailableError(

@@ -33,7 +33,7 @@ class OptimizerState:
 
 
 class Plain(OptimizerState):
-    """An ``mlx.optimizers.Optimizer``'s state, the same whole state on every rank."""
+    """A plain ``mlx.optimizers.Optimizer``'s state (``.optimizer``), the same whole state on every rank."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer

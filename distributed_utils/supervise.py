@@ -129,7 +129,7 @@ def show_account(report, checked=None):
         log(row.format(r, a["steps"], computing[r], a["collectives"], a["collectives"] - least))
     slow = max(computing, key=computing.get)
     others = max(statistics.median(c for r, c in computing.items() if r != slow), 1e-9)
-    straggler = slow if computing[slow] > 1.1 * others + 0.1 * ranks[slow]["seconds"] else None
+    straggler = slow if computing[slow] > 1.1 * others + 0.1 * ranks[slow]["seconds"] + 0.5 else None
     if straggler is not None:
         log(
             f"rank {slow} is the straggler, computing {computing[slow] / others:.2f}x as long as the others: "

@@ -30,7 +30,19 @@ def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
     check_root(backend, root)
     what = f"du.synchronize({type(x).__name__})"
     if isinstance(x, Optimizer):
-        return _synchronize_optimizer(backend, x, root, model, what)
+        state = of(x)
+        if model is not None and not state.initialized():
+            x.init(model.trainable_parameters())
+        hint = "call opt.init(model.trainable_parameters()) first, or pass model=model"
+        try:
+            shared = _synchronize_tree(backend, state.shared_state(), root, what, fsdp.sharded(model, what))
+        except TreeMismatchError as e:
+            raise TreeMismatchError(f"{e}; an optimizer not yet updated: {hint}") from None
+        if not state.initialized():  # the same on every rank: their states have the same structure
+            raise ValueError(f"{what}: the state is not initialized; {hint}")
+        if backend.rank != root:
+            state.set_shared_state(shared)
+        return x
     if model is not None:
         raise TypeError(f"{what}: model= is only for optimizers")
     if isinstance(x, Module):
@@ -41,22 +53,6 @@ def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
     if trainable_only:
         raise TypeError(f"{what}: trainable_only= is only for an nn.Module")
     return _synchronize_tree(backend, x, root, what)
-
-
-def _synchronize_optimizer(backend, opt, root, model, what):
-    state = of(opt)
-    if model is not None and not state.initialized():
-        opt.init(model.trainable_parameters())
-    hint = "call opt.init(model.trainable_parameters()) first, or pass model=model"
-    try:
-        shared = _synchronize_tree(backend, state.shared_state(), root, what, fsdp.sharded(model, what))
-    except TreeMismatchError as e:
-        raise TreeMismatchError(f"{e}; an optimizer not yet updated: {hint}") from None
-    if not state.initialized():  # the same on every rank: their states have the same structure
-        raise ValueError(f"{what}: the state is not initialized; {hint}")
-    if backend.rank != root:
-        state.set_shared_state(shared)
-    return opt
 
 
 def _synchronize_tree(backend, tree, root, what, shards=None):
@@ -76,8 +72,11 @@ def _synchronize_tree(backend, tree, root, what, shards=None):
     received = unpack([bcast(backend, pack(sent, group), root) for group in groups], sent, groups)
     if backend.rank == root:
         return tree
-    pieces = iter(zip(arrays, received))  # in the order of root's arrays too: the structures matched
-    return _map(lambda v: _rebuilt(*next(pieces)) if v is _Array else v, skeleton)
+    rebuilt = (  # root's bits as this rank's kinds, dtypes and shapes (root's: verified), in root's order
+        (np.array(r) if isinstance(a, np.ndarray) else r).view(a.dtype).reshape(a.shape)
+        for a, r in zip(arrays, received)
+    )
+    return _map(lambda v: next(rebuilt) if v is _Array else v, skeleton)
 
 
 def _travels_as_bits(leaf) -> bool:
@@ -93,12 +92,6 @@ def _stand_in(leaf):
 
 class _Array:
     """Stands for one of root's arrays in the tree it sends (a class: it unpickles as itself)."""
-
-
-def _rebuilt(own, received: mx.array):
-    """``received`` bits as an array of this rank's ``own`` kind, dtype and shape (root's: verified)."""
-    flat = np.array(received) if isinstance(own, np.ndarray) else received
-    return flat.view(own.dtype).reshape(own.shape)
 
 
 def _map(fn, tree):

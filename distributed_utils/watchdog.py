@@ -30,11 +30,9 @@ class _State:
     first = last = None  # when the first collective began, and the last ended
     steps = sent = 0  # optimizer steps, and bytes given to collectives
     timeline = None  # with DU_TIMELINE: (seq, what, start, end, bytes) of each collective and region
-
-    def __init__(self):
-        self.lock = threading.Lock()  # for starting the thread
-        self.inflight = {}  # the regions in flight (as keys); one C-level dict operation at a time (GIL)
-        self.stopped = []  # (from, to): when this process did not run
+    lock = threading.Lock()  # for starting the thread
+    inflight = {}  # the regions in flight (as keys); one C-level dict operation at a time (GIL)
+    stopped = []  # (from, to): when this process did not run
 
 
 # (an instance: assigning to a class's attributes at every collective invalidates type caches)
@@ -115,9 +113,10 @@ def watch(what: str, timeout=None):
 
 
 @contextlib.contextmanager
-def connecting(what: str):
+def connecting(what: str, exit_with_launcher=False):
     """``watch`` for a transport's start. MLX's ring holds the GIL while it connects: the C thread
-    of faulthandler backs the watchdog up (a "Timeout" traceback through ``initialize``, exit 1)."""
+    of faulthandler backs the watchdog up (a "Timeout" traceback through ``initialize``, exit 1).
+    Once started, ``exit_with_launcher``: this process ends when its parent (du-launch) is gone."""
     configure()
     armed = False
     with contextlib.suppress(AttributeError, ValueError, OSError):  # no usable stderr: the thread alone
@@ -130,6 +129,8 @@ def connecting(what: str):
     finally:
         if armed:
             faulthandler.cancel_dump_traceback_later()
+    if exit_with_launcher:  # (SIGKILLed, say; the watch started the thread that checks)
+        _state.parent = os.getppid()
 
 
 def _register(region):
@@ -185,12 +186,6 @@ def _start_thread():
             atexit.register(_account)
             _state.thread = threading.Thread(target=_watch_loop, name="du-watchdog", daemon=True)
             _state.thread.start()
-
-
-def exit_with_launcher():
-    """End this process when its parent (du-launch, or mpirun's daemon) is gone (SIGKILLed, say)."""
-    _state.parent = os.getppid()
-    _start_thread()
 
 
 def _watch_loop():

@@ -12,6 +12,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import mlx.core as mx
+
 from .base import BackendUnavailableError
 
 #: The exit codes: a rank the watchdog ended (as timeout(1)); a job preempted that ended in time
@@ -132,12 +134,6 @@ def launched_by_mpirun() -> bool:
     return int(_first_set("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1)) > 1
 
 
-def launched_for(mlx_name: str) -> bool:
-    """Whether a launcher started this process as a rank on MLX's ``mlx_name`` backend."""
-    variable = {"ring": "MLX_HOSTFILE", "nccl": "MLX_WORLD_SIZE", "jaccl": "MLX_IBV_DEVICES"}.get(mlx_name)
-    return launched_by_mpirun() if mlx_name == "mpi" else variable in os.environ
-
-
 def check_ring_addresses():
     """Raise unless this rank can listen on its MLX_HOSTFILE addresses (MLX: "Couldn't bind socket")."""
     path = os.environ["MLX_HOSTFILE"]
@@ -167,8 +163,6 @@ def libmpi_path():
 def mlx_mpi_available() -> bool:
     """Whether MLX can load an MPI library. Points MLX_MPI_LIBNAME at the real libmpi first:
     MLX looks once, at the first question, and the wheel's ``libmpi.so`` is a linker script."""
-    import mlx.core as mx
-
     if "MLX_MPI_LIBNAME" not in os.environ and libmpi_path() is not None:
         os.environ["MLX_MPI_LIBNAME"] = libmpi_path()
     return mx.distributed.is_available("mpi")
@@ -178,8 +172,6 @@ def mlx_mpi_available() -> bool:
 def start_mlx_mpi():
     """Initialize MLX's MPI backend once under ``mpirun``, before mpi4py (after mpi4py's MPI_Init, MLX's is
     silently a world of one); BackendUnavailableError if it cannot (no libmpi, or mpi4py was first)."""
-    import mlx.core as mx
-
     if not launched_by_mpirun():
         return
     if not mlx_mpi_available():

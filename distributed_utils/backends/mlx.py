@@ -13,6 +13,7 @@ from ..arrays import UINT_BY_SIZE, evaluate
 from .base import AbstractBackend, BackendUnavailableError
 
 _REDUCE = {"sum": mx.distributed.all_sum, "max": mx.distributed.all_max, "min": mx.distributed.all_min}
+_LAUNCHED_BY = {"ring": "MLX_HOSTFILE", "nccl": "MLX_WORLD_SIZE", "jaccl": "MLX_IBV_DEVICES"}  # (MPI: mpirun)
 
 
 class MLXBackend(AbstractBackend):
@@ -32,7 +33,7 @@ class MLXBackend(AbstractBackend):
             raise BackendUnavailableError(
                 f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' backend; {self.requires}"
             )
-        if contract.launched_for(self.mlx_name):
+        if contract.launched_by_mpirun() if mpi else _LAUNCHED_BY.get(self.mlx_name) in os.environ:
             self.prepare()
             self.group = mx.distributed.init(strict=True, backend=self.mlx_name)
         else:  # a world of one needs no transport (and MPI_Init may already have run)

@@ -8,6 +8,7 @@ import numpy as np
 from . import contract
 from ..arrays import MX_BY_NUMPY, contiguous_numpy, evaluate, own_memory, to_mx, widened
 from .base import AbstractBackend, BackendUnavailableError
+from .mlx import MLXMPIBackend
 
 #: Sums in place go through MPI in pieces of this size (the sizes side by side: docs/architecture.md).
 PIECE_BYTES = 2**20
@@ -41,8 +42,6 @@ class MPIBackend(AbstractBackend):
         if (arrays and isinstance(arrays[0], np.ndarray)) or evaluate(arrays):  # (numpy: host_buffers)
             return None
         if self._traced is None:
-            from .mlx import MLXMPIBackend
-
             try:
                 self._traced = MLXMPIBackend()
             except BackendUnavailableError as e:

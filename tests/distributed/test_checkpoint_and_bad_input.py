@@ -330,7 +330,7 @@ def rewrite_header(path, change):
 def as_written_before(meta, crc32=True):
     """A checkpoint as an older version wrote it: format 1, no header checksum (nor checksums)."""
     meta["__metadata__"]["distributed_utils"] = meta["__metadata__"]["distributed_utils"].replace(
-        "checkpoint/2", "checkpoint/1"
+        du.checkpoint.FORMAT, "distributed_utils.checkpoint/1"
     )
     del meta["__metadata__"]["header_crc32"]
     if not crc32:

@@ -169,16 +169,37 @@ def test_clip_grad_norm_is_the_norm_over_every_ranks_shards(backend):
     assert_close(gathered, dict(tree_flatten(expected)), atol=1e-7)
 
 
-def test_a_checkpoint_holds_the_whole_model_and_resumes_bit_for_bit(backend, tmp_path):
+def not_in_one_folder(monkeypatch, backend):
+    """The last rank does not see rank 0's folder (on another host, without a shared file system)."""
+
+    def elsewhere(path, *_):
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    if backend.rank == backend.size - 1 > 0:
+        monkeypatch.setattr(du.checkpoint, "open", elsewhere, raising=False)
+
+
+@pytest.mark.parametrize("folder", ["shared", "not shared"])
+def test_a_checkpoint_holds_the_whole_model_and_resumes_bit_for_bit(backend, tmp_path, monkeypatch, folder):
+    """Each rank writes its own shards into the file where every rank sees rank 0's folder; else rank 0
+    writes all, gathering one shard at a time. The same file either way: the whole model, loadable anywhere."""
+    if folder == "not shared":
+        not_in_one_folder(monkeypatch, backend)
+    written = []  # (this rank's arrays written)
+    monkeypatch.setattr(du.checkpoint, "_write_pieces", lambda f, data, _: written.append(f.write(data)))
     _, mine = batches(backend, steps=4)
     path = tmp_path / "ck.safetensors" if backend.rank == 0 else None
     path = du.bcast(backend, str(path))
     model, opt = sharded(backend, net()), du.DistributedOptimizer(backend, optim.Adam(1e-2))
     train(model, opt, mine[:2])
-    du.save_checkpoint(backend, path, model=model, optimizer=opt, step=2)
+    du.save_checkpoint(
+        backend, path, model=model, optimizer=opt, step=2, extra={"from": "rank " * backend.rank}
+    )
+    writers = du.allgather(backend, len(written) > 0)
+    assert writers == [True] * backend.size if folder == "shared" else [True] + [False] * (backend.size - 1)
     train(model, opt, mine[2:])
     again, opt2 = sharded(backend, net(seed=3)), du.DistributedOptimizer(backend, optim.Adam(1e-2))
-    du.load_checkpoint(backend, path, model=again, optimizer=opt2)
+    assert du.load_checkpoint(backend, path, model=again, optimizer=opt2)["extra"] == {"from": ""}  # rank 0's
     train(again, opt2, mine[2:])
     for key, a in whole(model).items():
         assert mx.array_equal(a, whole(again)[key]).item(), key
@@ -231,13 +252,14 @@ def test_a_disk_that_fills_halfway_through_a_sharded_save_fails_on_every_rank(ba
     train(model, opt, batches(backend, steps=1)[1])
     written = []
 
-    def full(f, data, heartbeat):  # rank 0's disk fills at the third array (others are gathering)
+    def full(f, data, heartbeat):  # the last rank's disk fills at the third array it writes
         written.append(data)
-        if len(written) == 3:
+        if len(written) == 3 and backend.rank == backend.size - 1:
             raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(du.checkpoint, "_write_pieces", full)
-    with pytest.raises(du.CheckpointError, match="rank 0 could not write .*No space left on device"):
+    last = backend.size - 1  # (each rank writes its shards: one folder seen by every rank)
+    with pytest.raises(du.CheckpointError, match=f"rank {last} could not write .*No space left on device"):
         du.save_checkpoint(backend, f"{folder}/ck.safetensors", model=model, optimizer=opt)
     assert du.allgather(backend, sorted(p.name for p in tmp_path.iterdir())) == [[]] * backend.size
     train(model, opt, batches(backend, steps=1)[1])  # (the ranks are still in step)
