@@ -28,7 +28,6 @@ from .synchronize import synchronize
 from .tree import describe
 
 FORMAT = "distributed_utils.checkpoint/3"  # (3: a sharded array's CRC-32 per rank's piece)
-_FORMAT_2 = "distributed_utils.checkpoint/2"
 _FORMAT_1 = "distributed_utils.checkpoint/1"  # (read too: without the checksum of the metadata)
 #: While rank 0 writes, every rank hears from it this often: a long save is no stall; a stopped rank 0 is.
 HEARTBEAT_SECONDS = 1.0
@@ -142,8 +141,8 @@ def _root_writes(backend, path: Path, arrays: dict, wholes: dict, meta_json: str
 def _every_rank_writes(
     backend, path: Path, arrays: dict, wholes: dict, specs, meta_json, then, stale
 ) -> bool:
-    """Collective: if every rank sees the file rank 0 starts, each writes its shards' bytes into it (rank 0 also
-    the rest and the header, then ``_finished``, verified); else False, nothing written (no shared folder)."""
+    """Collective: if every rank sees the file rank 0 starts, each writes its shards' bytes into it (rank 0
+    also the rest, the header, then ``_finished``, verified); else False, nothing written (no shared one)."""
     layout = specs, _, crcs, _, offsets = _layout(specs, meta_json, wholes, backend.size)
     started = lambda: (*_started(path, stale), offsets)  # noqa: E731  (rank 0's: its metadata's room)
     tmp, token, offsets = root_runs(backend, started, 0, CheckpointError, f"write {path}")
@@ -270,8 +269,8 @@ def _section(arrays, section) -> list:
 
 
 def _layout(specs: dict, meta_json: str, pieced=(), n=1):
-    """``(specs, metadata, CRC-32s, room, offsets)`` of a file of ``specs``'s arrays (float64 as its bits): room
-    for the widest CRC-32s (of ``pieced`` keys, a list: one per rank's piece), each array's offset."""
+    """``(specs, metadata, CRC-32s, room, offsets)`` of a file of ``specs``'s arrays (float64 as its bits):
+    room for the widest CRC-32s (of ``pieced`` keys, a list: one per rank's piece), each array's offset."""
     doubles = [key for key, (dtype, _) in specs.items() if dtype == mx.float64]
     specs = {k: (mx.uint64 if k in doubles else dtype, shape) for k, (dtype, shape) in specs.items()}
     metadata = {"distributed_utils": meta_json, "float64": json.dumps(doubles)}
@@ -284,8 +283,7 @@ def _layout(specs: dict, meta_json: str, pieced=(), n=1):
 
 
 def _started(path: Path, stale=None):
-    """A new temporary file beside ``path`` (those of killed saves, ``stale``, removed first), holding a
-    random token after its first 8 bytes: ``(its path, the token)``."""
+    """``(a new temporary file by path, a random token after its first 8 bytes)``; killed saves' gone."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for old in path.parent.glob(stale or f".{path.name}.tmp-*"):  # left by a killed job
         old.unlink(missing_ok=True)
@@ -295,9 +293,8 @@ def _started(path: Path, stale=None):
 
 
 def _finished(tmp: Path, path: Path, layout, fill, verify=False, then=None):
-    """``fill(f)`` (``tmp`` open at its first array's place), then ``layout``'s header with the CRC-32s filled
-    in, fsync, (``verify``: every array read back against them,) renamed to ``path``, the directory synced,
-    ``then()``. Whatever fails, ``tmp`` is removed."""
+    """``fill(f)`` (``tmp`` open at its first array), ``layout``'s header with the CRC-32s filled in, fsync,
+    (``verify``: read back against them,) renamed to ``path``, its folder synced, ``then()``; or no tmp."""
     specs, metadata, crcs, room, _ = layout
     try:
         with open(tmp, "r+b") as f:
@@ -413,7 +410,7 @@ def _verified(path: Path):
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path} is not a distributed_utils checkpoint (no metadata)") from None
     missing = {"format", "step", "extra", "world_size", "data", "optimizer"} - set(meta)
-    if meta.get("format") not in (FORMAT, _FORMAT_2, _FORMAT_1) or missing:
+    if meta.get("format") not in (FORMAT, "distributed_utils.checkpoint/2", _FORMAT_1) or missing:
         why = f"format {meta.get('format')!r}, missing {sorted(missing)}"
         raise CheckpointError(f"{path} is not a {FORMAT} checkpoint ({why})")
     if meta["format"] != _FORMAT_1 and "header_crc32" not in saved:

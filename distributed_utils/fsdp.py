@@ -6,6 +6,7 @@ backward pass. ZeRO-1 (the sharded optimizer state) and checkpoints use the same
 
 import collections
 import functools
+import gc
 import math
 import weakref
 
@@ -185,6 +186,8 @@ def _detached(a):
 def sharded(model, who=None) -> dict:
     """``{flat key: (whole shape, backend)}`` of ``model``'s shards; with no model, for ``who`` (the caller,
     given an optimizer) a ValueError while any module is fully sharded: the optimizer may hold shards."""
+    if model is None and who is not None and any_alive():
+        gc.collect()  # (one that is garbage, in a reference cycle not yet collected, does not count)
     if model is None and who is not None and any_alive():
         raise ValueError(
             f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"

@@ -265,6 +265,21 @@ def test_a_disk_that_fills_halfway_through_a_sharded_save_fails_on_every_rank(ba
     train(model, opt, batches(backend, steps=1)[1])  # (the ranks are still in step)
 
 
+def test_a_fully_sharded_module_left_as_garbage_does_not_count(backend):
+    """Found by the suite: a module kept only by a reference cycle (a traceback's frames, say) that the
+    garbage collector has not reached yet is no reason to refuse an optimizer without model=."""
+    gc.disable()
+    try:
+        cycle = [sharded(backend, net())]
+        cycle.append(cycle)
+        del cycle
+        model, opt = net(), du.DistributedOptimizer(backend, optim.Adam(1e-2))
+        opt.init(model.trainable_parameters())
+        du.synchronize(backend, opt)  # (would raise "pass model=" while the garbage counted)
+    finally:
+        gc.enable()
+
+
 def test_refused_where_it_cannot_be_right(backend):
     _, mine = batches(backend, steps=1)
     model = sharded(backend, net())
