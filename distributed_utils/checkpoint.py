@@ -61,13 +61,12 @@ def save_checkpoint(
     ``mx.random`` state is saved too. ``keep=k``: ``path`` is a directory of
     ``step-{step}.safetensors`` files: the newest k by step stay, and a save's later steps
     (a trajectory left when the job resumed from an older one) are set aside as ``.superseded``."""
-    check_backend(backend)
-    path = Path(path)
+    path, shards = Path(path), _shards(backend, model, optimizer, "save_checkpoint")
     if keep is not None:  # (the files' names sort by step)
         check_count(keep, 1, "save_checkpoint: keep")
         check_count(step, 0, "save_checkpoint(keep=...): step")
         folder, path = path, path / f"step-{step:012d}.safetensors"
-    arrays, shards = {}, _shards(backend, model, optimizer, "save_checkpoint")
+    arrays = {}
     if model is not None:  # (a fully sharded model's parameters and their state: shards, written whole)
         arrays.update(_flat("model", model.trainable_parameters() if trainable_only else model.parameters()))
     state = None if optimizer is None else of(optimizer)
@@ -187,7 +186,6 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     set aside as ``.damaged``) into ``model`` (in place), ``optimizer``, ``data`` and each rank's random
     state (at the world size saved). Returns ``{"step", "data", "extra", "world_size"}``, or None when
     there is none; CheckpointError on every rank for a damaged file or one that does not fit."""
-    check_backend(backend)
     read = {}  # rank 0's arrays
 
     def find_and_read():
@@ -225,7 +223,8 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
 
 
 def _shards(backend, model, optimizer, who) -> dict:
-    """Collective: ``fsdp.sharded(model)``, once the model holds none of MLX's sharded layers."""
+    """Collective: ``fsdp.sharded(model)``, the backend checked and the model free of MLX's sharded layers."""
+    check_backend(backend)
     fsdp.check_mlx_sharding(backend, model, who, replicated_ok=False)
     return fsdp.sharded(model, None if optimizer is None else who)
 
@@ -458,7 +457,6 @@ def save_adapters(backend, path, model, config=None, *, trainable_only=True):
     ``trainable_only=False`` all of them: a plain weights file) to ``path`` atomically, as mlx-lm
     does (``model.load_weights(path, strict=False)`` reads them), a fully sharded model's whole, and
     ``config`` beside it as ``adapter_config.json``; CheckpointError on every rank if it could not."""
-    check_backend(backend)
     path, shards = Path(path), _shards(backend, model, None, "save_adapters")
     config_file = path.parent / "adapter_config.json"
     write_config = None if config is None else lambda: config_file.write_text(json.dumps(config, indent=4))

@@ -38,8 +38,8 @@ _Unit = collections.namedtuple("_Unit", "backend shapes compute_dtype recompute 
 
 def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):
     """Collective: ``module`` (in place, returned) keeps of each of its own parameters this rank's shard of
-    rank 0's values, gathered whole (in ``compute_dtype``) at each call; its backward pass gives the
-    shards' gradients, averaged over the ranks. Blocks first, then the root. README: the details."""
+    rank 0's values, gathered whole (in ``compute_dtype``) at each call of the module (reshard_after_forward:
+    of the layer holding it); the backward pass gives the shards' gradients, averaged over the ranks."""
     check_backend(backend)
     if not isinstance(module, nn.Module):
         raise TypeError(f"du.fully_shard: expected an mlx.nn.Module, got {type(module).__name__}")
@@ -49,10 +49,14 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     for unit in filter(None, (ref() for ref in _units)):  # (its parameters would be sharded twice)
         if any(m is module for m in unit.modules()):
             raise ValueError("du.fully_shard: the module is inside a fully sharded one; shard blocks first")
-    own, nested = _own(module), any(isinstance(m, FullyShardedModule) for m in module.modules())
-    layout = [(k, a.shape, str(a.dtype)) for k, a in own]
+    layout = [(k, a.shape, str(a.dtype)) for k, a in _own(module)]
     settings = {"parameters (key, shape, dtype)": layout, "compute_dtype": str(compute_dtype)}
     check_same(backend, "du.fully_shard", {**settings, "reshard_after_forward": reshard_after_forward})
+    if reshard_after_forward and not any(isinstance(m, FullyShardedModule) for m in module.modules()):
+        for _, leaf in tree_flatten(module.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)):
+            if leaf.parameters():  # (Linear, a norm) a unit each: gathered for its own calls alone
+                fully_shard(backend, leaf, compute_dtype=compute_dtype)
+    own, nested = _own(module), any(isinstance(m, FullyShardedModule) for m in module.modules())
     # one parameter whole at a time: own_shard evaluates and copies this rank's shard before the next
     module.update(tree_unflatten([(key, own_shard(bcast(backend, a), backend)) for key, a in own]))
     shapes = {key: a.shape for key, a in own}

@@ -124,8 +124,7 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         if every:  # (checked at every call: a traced one, in mx.compile, too)
             fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
             why = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.sharded}
-            bad = [name for name, yes in {**why, "weight=": weight is not None}.items() if yes]
-            if bad:
+            if bad := [name for name, yes in {**why, "weight=": weight is not None}.items() if yes]:
                 raise ValueError(
                     f"DistributedOptimizer: a fully sharded model's gradients are averaged in its "
                     f"backward pass, before update() sees them: {bad[0]} cannot apply (to weight the ranks, "
@@ -149,8 +148,7 @@ class DistributedOptimizer(Plain, optim.Optimizer):
             return self._sharded_step(gradients, parameters, scale, weight, what)
         if shards:  # the replicated parameters' gradients alone
             flat = dict(tree_flatten(gradients))
-            replicated = {k: g for k, g in flat.items() if k not in shards}
-            if replicated:
+            if replicated := {k: g for k, g in flat.items() if k not in shards}:
                 flat.update(self.reduction.reduce(replicated, scale=scale, what=what).wait())
             return self.optimizer.apply_gradients(tree_unflatten(list(flat.items())), target)
         reduced = self.reduction.reduce(gradients, scale=scale, weight=weight, what=what).wait()

@@ -124,8 +124,7 @@ class Reduction:
         negative or not finite is a ValueError on every rank."""
         weights = allgather(self.backend, weight.reshape(1))
         if evaluate(weights):  # (not while MLX traces)
-            bad = [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]
-            if bad:
+            if bad := [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]:
                 raise ValueError(
                     f"{what}: weight must be one number >= 0 per rank (a count of tokens, say); ranks {bad} "
                     f"passed {[weights[r].item() for r in bad]} (nan: no number, or an array of another shape)"

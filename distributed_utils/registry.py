@@ -79,13 +79,9 @@ def node_rank(backend) -> int:
 
 
 def _check_backend_type(backend_type):
-    if isinstance(backend_type, AbstractBackend):
-        raise TypeError(
-            f"expected a backend class such as du.{type(backend_type).__name__}, "
-            f"got the backend instance {backend_type!r}"
-        )
     if not (isinstance(backend_type, type) and issubclass(backend_type, AbstractBackend)):
         names = ", du.".join(c.__name__ for c in BY_LAUNCH_NAME.values())
-        raise TypeError(f"expected a backend class (one of du.{names}), got {backend_type!r}")
+        instance = "the backend instance " if isinstance(backend_type, AbstractBackend) else ""
+        raise TypeError(f"expected a backend class (one of du.{names}), got {instance}{backend_type!r}")
     if backend_type in (AbstractBackend, MLXBackend):
         raise TypeError(f"{backend_type.__name__} is abstract; use one of its subclasses")

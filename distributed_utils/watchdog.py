@@ -137,7 +137,12 @@ def _register(region):
     region.start = time.monotonic()
     _state.inflight[region] = None
     if _state.thread is None:  # (started: no lock to take at every collective)
-        _start_thread()
+        with _state.lock:
+            if _state.thread is None:
+                _state.timeline = [] if os.environ.get("DU_TIMELINE") else None
+                atexit.register(_account)
+                _state.thread = threading.Thread(target=_watch_loop, name="du-watchdog", daemon=True)
+                _state.thread.start()
 
 
 def _finished(region):
@@ -177,15 +182,6 @@ def _account(say=True):
         with open(path + ".tmp", "w") as f:  # (whole or not at all: a rank may be stopped meanwhile)
             json.dump(trace, f)
         os.replace(path + ".tmp", path)
-
-
-def _start_thread():
-    with _state.lock:
-        if _state.thread is None:
-            _state.timeline = [] if os.environ.get("DU_TIMELINE") else None
-            atexit.register(_account)
-            _state.thread = threading.Thread(target=_watch_loop, name="du-watchdog", daemon=True)
-            _state.thread.start()
 
 
 def _watch_loop():

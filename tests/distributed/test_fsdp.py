@@ -103,6 +103,41 @@ def test_n_ranks_train_like_one_process_on_the_union(backend, reshard):
     assert_close(whole(model), dict(tree_flatten(one.parameters())))
 
 
+class Peek(nn.Linear):
+    seen = []  # what each call saw
+
+    def __call__(self, x):
+        Peek.seen.append(("linear", self.weight.ndim))
+        return super().__call__(x)
+
+
+class Dropping(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down = Peek(d, 2 * d + 1), Peek(2 * d + 1, d)
+
+    def __call__(self, x):
+        Peek.seen.append(("block", self.up.weight.ndim, self.down.weight.ndim))
+        return x + self.down(nn.Dropout(0.5)(nn.gelu(self.up(x))))
+
+
+def test_reshard_after_forward_gathers_each_layer_for_its_own_call_alone(backend):
+    """Each module holding parameters and no submodules (here a Linear) holds its whole parameters only in
+    its own call, forward and backward (where only it is recomputed): the block sees its layers' shards and
+    runs once (dropout in it composes), and its gradients are those of one process."""
+    mx.random.seed(0)
+    block, one = du.fully_shard(backend, Dropping(5)), Dropping(5)
+    one.update(fsdp.whole_tree(block.parameters(), fsdp.sharded(block)))
+    x, Peek.seen[:] = mx.random.normal((4, 5)), []
+    grads = []
+    for model in (block, one):
+        mx.random.seed(1)  # (the same dropout mask on every rank and in the one process)
+        grads.append(nn.value_and_grad(model, lambda m, x: m(x).sum())(model, x)[1])
+    assert Peek.seen[:5] == [("block", 1, 1)] + [("linear", 2)] * 4, Peek.seen
+    sharded = dict(tree_flatten(fsdp.whole_tree(grads[0], fsdp.sharded(block))))
+    assert_close(sharded, dict(tree_flatten(grads[1])), atol=1e-6)
+
+
 def test_like_the_replicated_optimizer_bit_for_bit_at_two_ranks(backend):
     """The same sums of the same gradients, scaled alike (at 3 or more ranks a sum's order may
     differ from the all-reduce's: to rounding)."""
