@@ -8,10 +8,12 @@ and du.fully_shard (FSDP), side by side in one run, at N = 1, 2 and 4 ranks.
 
 The model is examples/llama_tinystories.py's Llama (default 4 layers, 256 dims: 28.4M float32
 parameters, 91% of them in the embedding and output layers), AdamW, random tokens (2 x 64 a rank
-and step); with ``fully_shard``, every block, the embedding, the output layer, then the root. Each mode and world size is a job
-of its own (``du-launch``), so that each peak is its own. Reported per job, the largest over
-the ranks: MLX's peak memory, the process's peak RSS, the median step time (after one warm-up
-step), and the final loss (the same data in every mode: the losses must agree). ``--limit-mib``
+and step); with ``fully_shard``, every block, the embedding, the output layer, then the root
+("fsdp-layers": each Linear and norm of the blocks first, each a unit of its own, so that no block
+is recomputed). Each mode and world size is a job of its own (``du-launch``), so that each peak is
+its own. Reported per job, the largest over the ranks: MLX's peak memory, the process's peak RSS,
+the median step time (after one warm-up step), and the final loss (the same data in every mode: the
+losses must agree). ``--limit-mib``
 caps each rank's data memory (``RLIMIT_DATA``: what malloc may map) at its size before the model
 plus this many MiB; a job that cannot train under it fails (reported as such).
 """
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("replicated", "zero1", "fsdp", "fsdp-keep")  # fsdp-keep: reshard_after_forward=False
+MODES = ("replicated", "zero1", "fsdp", "fsdp-keep", "fsdp-layers")  # fsdp-keep: reshard_after_forward=False
 
 
 def rank_main(args):
@@ -48,9 +50,14 @@ def rank_main(args):
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     mx.random.seed(0)
     model = Llama(vocab=args.vocab, dims=args.dims, n_layers=args.layers, n_heads=4, mlp_dims=2 * args.dims)
-    if args.mode.startswith("fsdp"):  # each block, the embedding and the output layer, then the root
-        for unit in [*model.layers, model.embed, model.lm_head, model]:
-            du.fully_shard(backend, unit, reshard_after_forward=args.mode == "fsdp")
+    if args.mode.startswith("fsdp"):  # (fsdp-layers: each Linear and norm of the blocks first, as units)
+        layers = [
+            m for b in model.layers for _, m in b.named_modules() if isinstance(m, (nn.Linear, nn.RMSNorm))
+        ]
+        for unit in [*layers, *model.layers] if args.mode == "fsdp-layers" else model.layers:
+            du.fully_shard(backend, unit, reshard_after_forward=args.mode != "fsdp-keep")
+        for unit in [model.embed, model.lm_head, model]:  # then the embedding, the output layer, the root
+            du.fully_shard(backend, unit, reshard_after_forward=args.mode != "fsdp-keep")
     else:
         du.synchronize(backend, model)
     mx.eval(model.parameters())
@@ -69,6 +76,7 @@ def rank_main(args):
         loss, grads = step(model, rows)
         opt.update(model, grads)
         mx.eval(loss, model.parameters(), opt.state)
+        del grads  # (fully_shard's backward pass runs inside step(): the last step's would still be held)
         times.append(time.perf_counter() - tic)
         losses.append(du.allreduce(backend, loss, "avg").item())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

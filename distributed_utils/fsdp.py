@@ -38,8 +38,8 @@ _Unit = collections.namedtuple("_Unit", "backend shapes compute_dtype recompute 
 
 def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):
     """Collective: ``module`` (in place, returned) keeps of each of its own parameters this rank's shard of
-    rank 0's values, gathered whole (in ``compute_dtype``) at each call of the module (reshard_after_forward:
-    of the layer holding it); the backward pass gives the shards' gradients, averaged over the ranks."""
+    rank 0's values, gathered whole (in ``compute_dtype``) at each call; its backward pass gives the
+    shards' gradients, averaged over the ranks. Blocks first, then the root. README: the details."""
     check_backend(backend)
     if not isinstance(module, nn.Module):
         raise TypeError(f"du.fully_shard: expected an mlx.nn.Module, got {type(module).__name__}")
@@ -49,14 +49,10 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     for unit in filter(None, (ref() for ref in _units)):  # (its parameters would be sharded twice)
         if any(m is module for m in unit.modules()):
             raise ValueError("du.fully_shard: the module is inside a fully sharded one; shard blocks first")
-    layout = [(k, a.shape, str(a.dtype)) for k, a in _own(module)]
+    own, nested = _own(module), any(isinstance(m, FullyShardedModule) for m in module.modules())
+    layout = [(k, a.shape, str(a.dtype)) for k, a in own]
     settings = {"parameters (key, shape, dtype)": layout, "compute_dtype": str(compute_dtype)}
     check_same(backend, "du.fully_shard", {**settings, "reshard_after_forward": reshard_after_forward})
-    if reshard_after_forward and not any(isinstance(m, FullyShardedModule) for m in module.modules()):
-        for _, leaf in tree_flatten(module.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)):
-            if leaf.parameters():  # (Linear, a norm) a unit each: gathered for its own calls alone
-                fully_shard(backend, leaf, compute_dtype=compute_dtype)
-    own, nested = _own(module), any(isinstance(m, FullyShardedModule) for m in module.modules())
     # one parameter whole at a time: own_shard evaluates and copies this rank's shard before the next
     module.update(tree_unflatten([(key, own_shard(bcast(backend, a), backend)) for key, a in own]))
     shapes = {key: a.shape for key, a in own}
@@ -123,12 +119,17 @@ def _call(module, forward, args, kwargs):
     gathered.vjp(lambda shards, cotangents, _: _detached(scattered(shards, cotangents)))
 
     def run(full, a, k):  # forward with the whole parameters, then the shards again
-        frozen_full = [mx.stop_gradient(x) for x in whole([own[k] for k in frozen], frozen)]
-        module.update(tree_unflatten(list(zip(keys + frozen, list(full) + frozen_full))))
+        frozen_full = [mx.stop_gradient(x) for x in whole([own[name] for name in frozen], frozen)]
+        given = dict(zip(keys + frozen, list(full) + frozen_full))
+        module.update(tree_unflatten(list(given.items())))
         try:
-            return forward(*a, **k)
+            out = forward(*a, **k)
+            assigned = [name for name, x in _own(module) if x is not given.get(name)]
         finally:
             module.update(tree_unflatten(list(own.items())))
+        if assigned:  # (BatchNorm's running statistics, in training): the shards would silently drop them
+            raise ValueError(f"{what}: its forward pass assigned {assigned}, which its shards cannot keep")
+        return out
 
     shards = [own[k] for k in keys]
     if not unit.recompute:  # (MLX's custom_function crashes on an empty list)
@@ -154,8 +155,7 @@ def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
     def forward(shards, floats):
         key = mx.random.state[0]
         out = _detached(call(whole(shards, keys), floats))  # (its graph, and the whole parameters, go)
-        drew = mx.logical_not(mx.array_equal(key, mx.random.state[0]))
-        if evaluate(drew) and drew.item():  # (not while MLX traces)
+        if key is not mx.random.state[0]:  # (a draw replaces the key, also while MLX traces)
             raise ValueError(
                 f"{what}: reshard_after_forward=True recomputes the forward pass in the backward pass, "
                 "and this module draws random numbers (dropout?); pass reshard_after_forward=False"

@@ -121,12 +121,15 @@ class Dropping(nn.Module):
         return x + self.down(nn.Dropout(0.5)(nn.gelu(self.up(x))))
 
 
-def test_reshard_after_forward_gathers_each_layer_for_its_own_call_alone(backend):
-    """Each module holding parameters and no submodules (here a Linear) holds its whole parameters only in
-    its own call, forward and backward (where only it is recomputed): the block sees its layers' shards and
-    runs once (dropout in it composes), and its gradients are those of one process."""
+def test_layers_sharded_before_their_block_hold_their_whole_parameters_in_their_own_call_alone(backend):
+    """Each layer a unit of its own (sharded before its block): its whole parameters live in its own call,
+    forward and backward (where only it is recomputed); the block sees its layers' shards and runs once
+    (dropout in it composes), and its gradients are those of one process. The block alone recomputes
+    itself in the backward pass, and so refuses to draw random numbers."""
     mx.random.seed(0)
-    block, one = du.fully_shard(backend, Dropping(5)), Dropping(5)
+    block, one, alone = Dropping(5), Dropping(5), du.fully_shard(backend, Dropping(5))
+    for unit in (block.up, block.down, block):
+        du.fully_shard(backend, unit)
     one.update(fsdp.whole_tree(block.parameters(), fsdp.sharded(block)))
     x, Peek.seen[:] = mx.random.normal((4, 5)), []
     grads = []
@@ -136,6 +139,8 @@ def test_reshard_after_forward_gathers_each_layer_for_its_own_call_alone(backend
     assert Peek.seen[:5] == [("block", 1, 1)] + [("linear", 2)] * 4, Peek.seen
     sharded = dict(tree_flatten(fsdp.whole_tree(grads[0], fsdp.sharded(block))))
     assert_close(sharded, dict(tree_flatten(grads[1])), atol=1e-6)
+    with pytest.raises(ValueError, match="draws random numbers"):
+        nn.value_and_grad(alone, lambda m, x: m(x).sum())(alone, x)
 
 
 def test_like_the_replicated_optimizer_bit_for_bit_at_two_ranks(backend):
@@ -332,6 +337,9 @@ def test_refused_where_it_cannot_be_right(backend):
         du.DistributedOptimizer(backend, optim.SGD(0.1)).apply_gradients(grads, model.parameters())
     with pytest.raises(ValueError, match="DiLoCo does not compose with du.fully_shard"):
         du.DiLoCo(backend, optim.SGD(0.1)).update(model, grads)
+    norm = du.fully_shard(backend, nn.BatchNorm(3))  # (training: it assigns its running statistics)
+    with pytest.raises(ValueError, match=r"assigned \['running_mean', 'running_var'\]"):
+        norm(mx.ones((2, 3)))
 
 
 @pytest.mark.world(min_size=2)
