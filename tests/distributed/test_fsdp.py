@@ -125,7 +125,7 @@ def test_layers_sharded_before_their_block_hold_their_whole_parameters_in_their_
     """Each layer a unit of its own (sharded before its block): its whole parameters live in its own call,
     forward and backward (where only it is recomputed); the block sees its layers' shards and runs once
     (dropout in it composes), and its gradients are those of one process. The block alone recomputes
-    itself in the backward pass, and so refuses to draw random numbers."""
+    itself in the backward pass, and so refuses to draw random numbers, compiled too."""
     mx.random.seed(0)
     block, one, alone = Dropping(5), Dropping(5), du.fully_shard(backend, Dropping(5))
     for unit in (block.up, block.down, block):
@@ -139,8 +139,10 @@ def test_layers_sharded_before_their_block_hold_their_whole_parameters_in_their_
     assert Peek.seen[:5] == [("block", 1, 1)] + [("linear", 2)] * 4, Peek.seen
     sharded = dict(tree_flatten(fsdp.whole_tree(grads[0], fsdp.sharded(block))))
     assert_close(sharded, dict(tree_flatten(grads[1])), atol=1e-6)
-    with pytest.raises(ValueError, match="draws random numbers"):
-        nn.value_and_grad(alone, lambda m, x: m(x).sum())(alone, x)
+    for compiled in (False, True):  # (found by review: a compiled step was silently wrong)
+        step = lambda x: nn.value_and_grad(alone, lambda m, x: m(x).sum())(alone, x)  # noqa: E731
+        with pytest.raises(ValueError, match="draws random numbers"):
+            (mx.compile(step, inputs=[mx.random.state], outputs=[mx.random.state]) if compiled else step)(x)
 
 
 def test_like_the_replicated_optimizer_bit_for_bit_at_two_ranks(backend):
