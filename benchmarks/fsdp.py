@@ -13,9 +13,9 @@ and step); with ``fully_shard``, every block, the embedding, the output layer, t
 is recomputed). Each mode and world size is a job of its own (``du-launch``), so that each peak is
 its own. Reported per job, the largest over the ranks: MLX's peak memory, the process's peak RSS,
 the median step time (after one warm-up step), and the final loss (the same data in every mode: the
-losses must agree). ``--limit-mib``
-caps each rank's data memory (``RLIMIT_DATA``: what malloc may map) at its size before the model
-plus this many MiB; a job that cannot train under it fails (reported as such).
+losses must agree). ``--limit-mib`` caps each rank's data memory (``RLIMIT_DATA``: what malloc may
+map) at its size before the model plus this many MiB; a job that cannot train under it fails
+(reported as such).
 """
 
 import argparse

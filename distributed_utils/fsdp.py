@@ -120,11 +120,11 @@ def _call(module, forward, args, kwargs):
 
     def run(full, a, k):  # forward with the whole parameters, then the shards again
         frozen_full = [mx.stop_gradient(x) for x in whole([own[name] for name in frozen], frozen)]
-        given = dict(zip(keys + frozen, list(full) + frozen_full))
-        module.update(tree_unflatten(list(given.items())))
+        module.update(tree_unflatten(list(zip(keys + frozen, list(full) + frozen_full))))
+        held = {name: x for name, x in _own(module) if name in frozen}  # (as held: aliases hold one)
         try:
             out = forward(*a, **k)
-            assigned = [name for name, x in _own(module) if x is not given.get(name)]
+            assigned = [name for name, x in _own(module) if x is not held.get(name, x)]
         finally:
             module.update(tree_unflatten(list(own.items())))
         if assigned:  # (BatchNorm's running statistics, in training): the shards would silently drop them

@@ -344,6 +344,10 @@ def test_refused_where_it_cannot_be_right(backend):
     norm = du.fully_shard(backend, nn.BatchNorm(3))  # (training: it assigns its running statistics)
     with pytest.raises(ValueError, match=r"assigned \['running_mean', 'running_var'\]"):
         norm(mx.ones((2, 3)))
+    tied = nn.Sequential(nn.Linear(3, 3))
+    tied.layers.append(tied.layers[0])  # (one frozen layer at two keys: no assignment, found by review)
+    tied.freeze()
+    assert du.fully_shard(backend, tied)(mx.ones((2, 3))).shape == (2, 3)
 
 
 @pytest.mark.world(min_size=2)
