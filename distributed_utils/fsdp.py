@@ -192,10 +192,10 @@ def sharded(model, who=None) -> dict:
     given an optimizer) a ValueError while any module is fully sharded: the optimizer may hold shards."""
     if model is None and who is not None and any_alive():
         gc.collect()  # (one that is garbage, in a reference cycle not yet collected, does not count)
-    if model is None and who is not None and any_alive():
-        raise ValueError(
-            f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"
-        )
+        if any_alive():
+            raise ValueError(
+                f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"
+            )
     out = {}
     if isinstance(model, nn.Module) and any_alive():  # (else no walk: every step asks)
         for path, m in model.named_modules():
