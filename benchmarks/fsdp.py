@@ -50,13 +50,10 @@ def rank_main(args):
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     mx.random.seed(0)
     model = Llama(vocab=args.vocab, dims=args.dims, n_layers=args.layers, n_heads=4, mlp_dims=2 * args.dims)
-    if args.mode.startswith("fsdp"):  # (fsdp-layers: each Linear and norm of the blocks first, as units)
-        layers = [
-            m for b in model.layers for _, m in b.named_modules() if isinstance(m, (nn.Linear, nn.RMSNorm))
-        ]
-        for unit in [*layers, *model.layers] if args.mode == "fsdp-layers" else model.layers:
-            du.fully_shard(backend, unit, reshard_after_forward=args.mode != "fsdp-keep")
-        for unit in [model.embed, model.lm_head, model]:  # then the embedding, the output layer, the root
+    if args.mode.startswith("fsdp"):  # ("fsdp-layers": each Linear and norm of the blocks first, as units)
+        kinds = (nn.Linear, nn.RMSNorm) if args.mode == "fsdp-layers" else ()
+        layers = [m for block in model.layers for _, m in block.named_modules() if isinstance(m, kinds)]
+        for unit in [*layers, *model.layers, model.embed, model.lm_head, model]:  # then the root
             du.fully_shard(backend, unit, reshard_after_forward=args.mode != "fsdp-keep")
     else:
         du.synchronize(backend, model)
@@ -68,7 +65,9 @@ def rank_main(args):
 
     step = nn.value_and_grad(model, loss_fn)
     mx.random.seed(1)
-    every = mx.random.randint(0, 256, (args.steps, backend.size * args.batch, args.block + 1))
+    every = mx.random.randint(
+        0, min(args.vocab, 256), (args.steps, backend.size * args.batch, args.block + 1)
+    )
     times, losses = [], []
     for s in range(args.steps):
         rows = every[s, backend.rank * args.batch : (backend.rank + 1) * args.batch]
