@@ -13,8 +13,8 @@ floating leaf g of rank r travels as
              dtype (bfloat16, float16: g's when g is no wider; int8)
     unit     1; int8: (max over the ranks of |g| * share_r) / (127 // N), from one allgather
 
-Unweighted and uncompressed, nothing is computed before the sum: the transport sums the leaves
-as they are (MPI in their own memory) and multiplies by share * scale."""
+Unweighted and uncompressed, the transport itself multiplies the leaves by share * scale, then
+sums them (MPI in their own memory, a piece at a time: each scaled while in the cache)."""
 
 import functools
 

