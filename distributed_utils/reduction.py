@@ -8,13 +8,13 @@ floating leaf g of rank r travels as
     result = (sum over the ranks of sent) * unit * scale, in g's dtype
 
     share_r  w_r / (sum of the weights) when weighted (the weights travel first, in one
-             allgather); else 1/N ("avg"; for "sum" too, with scale times N: sums cannot overflow)
+             allgather); else 1/N ("avg"; for "sum" too, with scale times N: a compressed sum cannot overflow)
     wire     g's dtype, float32 for a float16/bfloat16 g when weighted; with compression its
              dtype (bfloat16, float16: g's when g is no wider; int8)
     unit     1; int8: (max over the ranks of |g| * share_r) / (127 // N), from one allgather
 
-Unweighted and uncompressed, the transport itself multiplies the leaves by share * scale, then
-sums them (MPI in their own memory, a piece at a time: each scaled while in the cache)."""
+Unweighted and uncompressed, the transport itself multiplies the leaves by share * scale ("sum": by scale):
+before the sum (MPI's all-reduce: in their own memory, a piece at a time; its reduce-scatter: after)."""
 
 import functools
 
@@ -78,7 +78,7 @@ class Reduction:
             return Pending(lambda: replace_arrays(tree, [g if scale == 1.0 else g * scale for g in arrays]))
         if weight is not None:
             share = self._share(weight, what)
-        else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards: no sum can overflow
+        else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards
             share = average_factor(self.backend)
             scale = scale if self.op == "avg" else scale * self.backend.size
         # MLX's cache keeps 32 MiB by default: a larger buffer freed each step would be mapped anew each step

@@ -140,7 +140,9 @@ def test_equivalence_over_batches_seeds_and_buckets(backend, batch, seed, name, 
     got = train(
         mlp(seed), du.DistributedOptimizer(backend, OPTIMIZERS[name](), bucket_bytes=bucket_bytes), mine
     )
-    assert_same_parameters(got, expected)
+    # Adam's step divides m by sqrt(v): where two steps' gradients nearly cancel, the rounding of a sum
+    # in another order (N ranks) moves a parameter by more than 1e-5 (seen: 3.5e-5 at lr 2e-2, ring, 4)
+    assert_same_parameters(got, expected, atol=1e-5 if name == "sgd" else 1e-3)
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -484,8 +486,8 @@ def test_verify_false_skips_the_structure_check_and_nothing_else(backend):
     "options", [{"compression": mx.bfloat16}, {"bucket_bytes": 0}, {"scale": 2.0}], ids=str
 )
 def test_a_reduction_with_other_settings_on_one_rank_is_a_mismatch_on_every_rank(backend, options):
-    """Other compression or buckets made other collectives (a hang or garbage); another scale,
-    on MPI (which scales after the sum), parameters that differ by rank. In the digest now."""
+    """Other compression or buckets made other collectives (a hang or garbage); another scale, a
+    silently wrong sum of gradients scaled differently by rank. In the digest now."""
     mine = options if du.local_rank(backend) == 1 else {}
     with pytest.raises(TreeMismatchError, match=r"first difference at key '\(reduction\)'"):
         du.reduce_gradients(backend, {"a": mx.ones((3,)), "b": mx.ones((300,))}, **mine)
