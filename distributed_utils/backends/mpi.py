@@ -81,7 +81,7 @@ class MPIBackend(AbstractBackend):
         for flat in [view.reshape(-1) for view in views if view is not None]:
             for start in range(0, flat.size, PIECE_BYTES // flat.itemsize):
                 piece = flat[start : start + PIECE_BYTES // flat.itemsize]
-                if scale != 1.0:  # before its sum, as MLX's backends (no sum overflows), in the cache
+                if scale != 1.0:  # before its sum, as on MLX's backends, while in the cache
                     np.multiply(piece, scale, out=piece, casting="unsafe")
                 self.comm.Allreduce(self._MPI.IN_PLACE, piece, op=self._ops[op])
         return [_like(w, a) for w, a in zip(work, arrays)]
