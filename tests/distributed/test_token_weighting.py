@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_optimizer import OPTIMIZERS, assert_same_parameters, contribution, mlp
+from test_optimizer import OPTIMIZERS, assert_same_parameters, atol, contribution, mlp
 
 import distributed_utils as du
 from distributed_utils.tree import TreeMismatchError
@@ -69,7 +69,7 @@ def test_weighted_ranks_train_like_one_process_on_the_union_of_their_tokens(back
     expected = train(mlp(), OPTIMIZERS[name](), [union(step) for step in steps], weighted=False)
     opt = du.DistributedOptimizer(backend, OPTIMIZERS[name](), shard_optimizer_state=shard)
     got = train(mlp(), opt, [step[r] for step in steps])
-    assert_same_parameters(got, expected, atol=1e-5 if name == "sgd" else 1e-3)  # (Adam: test_optimizer.py)
+    assert_same_parameters(got, expected, atol=atol(name))
 
 
 @pytest.mark.world(min_size=2)
