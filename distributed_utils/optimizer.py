@@ -65,11 +65,25 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         return getattr(self.optimizer, name)
 
     # mlx.optimizers.Optimizer's own properties, which __getattr__ never reaches
-    state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v))
-    step = property(lambda self: self.optimizer.step)
-    learning_rate = property(
-        lambda self: self.optimizer.learning_rate, lambda self, v: setattr(self.optimizer, "learning_rate", v)
-    )
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
+
+    @property
+    def step(self):
+        return self.optimizer.step
+
+    @property
+    def learning_rate(self):
+        return self.optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self.optimizer.learning_rate = value
 
     def init(self, parameters):
         """The wrapped optimizer's ``init`` (of this rank's shards when sharded); local."""
@@ -124,7 +138,8 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         if every:  # (checked at every call: a traced one, in mx.compile, too)
             fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
             why = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.sharded}
-            if bad := [name for name, yes in {**why, "weight=": weight is not None}.items() if yes]:
+            bad = [name for name, yes in {**why, "weight=": weight is not None}.items() if yes]
+            if bad:
                 raise ValueError(
                     f"DistributedOptimizer: a fully sharded model's gradients are averaged in its "
                     f"backward pass, before update() sees them: {bad[0]} cannot apply (to weight the ranks, "
@@ -148,7 +163,8 @@ class DistributedOptimizer(Plain, optim.Optimizer):
             return self._sharded_step(gradients, parameters, scale, weight, what)
         if shards:  # the replicated parameters' gradients alone
             flat = dict(tree_flatten(gradients))
-            if replicated := {k: g for k, g in flat.items() if k not in shards}:
+            replicated = {k: g for k, g in flat.items() if k not in shards}
+            if replicated:
                 flat.update(self.reduction.reduce(replicated, scale=scale, what=what).wait())
             return self.optimizer.apply_gradients(tree_unflatten(list(flat.items())), target)
         reduced = self.reduction.reduce(gradients, scale=scale, weight=weight, what=what).wait()
@@ -180,16 +196,26 @@ class DistributedOptimizer(Plain, optim.Optimizer):
             )
         w = mx.array(1.0) if weight is None else as_weight(weight)  # (summed in float32: float16 overflows)
         summed = tree_map(lambda g: widened(g) * w if isinstance(g, mx.array) else g, gradients)
-        add = lambda a, b: a + b if isinstance(a, mx.array) else a  # noqa: E731 (other leaves: the first's)
-        self._sum = summed if self._sum is None else tree_map(add, self._sum, summed)
-        self._weight = None if weight is None else w if self._weight is None else self._weight + w
+        if self._sum is None:
+            self._sum, self._weight = summed, None if weight is None else w
+        else:  # (leaves that are not arrays: the first call's)
+            self._sum = tree_map(lambda a, b: a + b if isinstance(a, mx.array) else a, self._sum, summed)
+            self._weight = None if weight is None else self._weight + w
         self._calls += 1
         if self._calls < k:  # (evaluated now: the graphs of the calls go)
             mx.async_eval([a for _, a in tree_flatten(self._sum) if isinstance(a, mx.array)])
             return None
         total, weight, self._sum, self._weight, self._calls = self._sum, self._weight, None, None, 0
-        factor = inverse(weight) if weight is not None else 1 / k if self.reduction.op == "avg" else 1.0
-        mean = lambda s, g: (s * factor).astype(g.dtype) if isinstance(s, mx.array) else s  # noqa: E731
+        if weight is not None:
+            factor = inverse(weight)
+        elif self.reduction.op == "avg":
+            factor = 1 / k
+        else:
+            factor = 1.0
+
+        def mean(s, g):  # (in the gradients' dtypes; other leaves as they are)
+            return (s * factor).astype(g.dtype) if isinstance(s, mx.array) else s
+
         return tree_map(mean, total, gradients), 1.0, weight
 
 

@@ -61,7 +61,8 @@ def differences(by_host: dict) -> list:
     (first, mine), *others = by_host.items()
     lines = []
     for host, theirs in others:
-        if keys := [k for k in SAME_EVERYWHERE if theirs.get(k) != mine.get(k)]:
+        keys = [k for k in SAME_EVERYWHERE if theirs.get(k) != mine.get(k)]
+        if keys:
             told = "; ".join(f"{k} {theirs.get(k)} (not {mine.get(k)})" for k in keys)
             lines.append(f"host {host} differs from host {first}: {told}")
     if (mine.get("script") or "").endswith("missing"):

@@ -83,7 +83,8 @@ class Reduction:
             scale = scale if self.op == "avg" else scale * self.backend.size
         # MLX's cache keeps 32 MiB by default: a larger buffer freed each step would be mapped anew each step
         limit = 4 * sum(g.nbytes for g in arrays)
-        if (previous := mx.set_cache_limit(limit)) > limit:
+        previous = mx.set_cache_limit(limit)
+        if previous > limit:
             mx.set_cache_limit(previous)
         if self.compression is None and weight is None:  # as they are: the transport scales
             sent, units, transport_scale = arrays, None, share * scale
@@ -124,7 +125,8 @@ class Reduction:
         negative or not finite is a ValueError on every rank."""
         weights = allgather(self.backend, weight.reshape(1))
         if evaluate(weights):  # (not while MLX traces)
-            if bad := [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]:
+            bad = [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]
+            if bad:
                 raise ValueError(
                     f"{what}: weight must be one number >= 0 per rank (a count of tokens, say); ranks {bad} "
                     f"passed {[weights[r].item() for r in bad]} (nan: no number, or an array of another shape)"
@@ -175,5 +177,10 @@ def _scaled(x, s, dtype):
 
 @functools.cache
 def _fused(dtype):  # shapeless, and the scale an array: one trace for every shape and scale
-    cast = (lambda y: mx.round(y).astype(mx.int8)) if dtype == "int8" else (lambda y: y.astype(dtype))
-    return mx.compile(lambda x, s: cast(x * s), shapeless=True)
+
+    def scaled(x, s):
+        if dtype == "int8":
+            return mx.round(x * s).astype(mx.int8)
+        return (x * s).astype(dtype)
+
+    return mx.compile(scaled, shapeless=True)

@@ -46,13 +46,17 @@ class Plain(OptimizerState):
             return all(Plain(o).initialized() for o in self.optimizer.optimizers)
         return has_entries(self.optimizer.state)
 
-    def shared_state(self) -> dict:
+    def shared_state(self) -> dict:  # (replicated: the shared state is the whole state)
         return self.optimizer.state
+
+    def whole_state(self) -> dict:
+        return self.optimizer.state
+
+    def set_shared_state(self, state: dict):
+        self.optimizer.state = state
 
     def load_whole_state(self, state: dict, model=None):
         self.optimizer.state = state
-
-    whole_state, set_shared_state = shared_state, load_whole_state
 
 
 def of(optimizer) -> OptimizerState:

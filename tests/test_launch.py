@@ -10,7 +10,11 @@ import threading
 import pytest
 from launching import DU_LAUNCH, ROOT, launch
 
-BACKENDS = ["mpi", "ring", "mlx-mpi"]
+#: du-launch's two start paths: the ring's processes, started by du-launch itself, and mpirun's (mpi and
+#: mlx-mpi start through the same mpirun code: mlx-mpi's own start is tested where it differs).
+START_PATHS = ["ring", "mpi"]
+#: Each backend at each world size that means something different for a start (one, a pair, oversubscribed).
+STARTS = [(b, n) for b in START_PATHS for n in (1, 2, 4)] + [("mlx-mpi", 2)]
 
 REPORT = """
 import distributed_utils as du
@@ -38,8 +42,7 @@ du.barrier(b)
 """
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("backend,n", STARTS)
 def test_every_rank_runs_and_prefixes_its_output(backend, n):
     run = launch(n, backend, ["python", "-c", REPORT], timeout=120)
     assert run.returncode == 0, run.stdout
@@ -63,7 +66,7 @@ def test_the_ranks_get_du_launchs_defaults_unless_the_user_set_them(backend):
     assert run.stdout.count("] got glibc.malloc.arena_max=2 3\n") == 2, run.stdout
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", START_PATHS)
 def test_a_failing_rank_fails_the_job_with_its_code_and_is_named(backend):
     run = launch(3, backend, ["python", "-c", FAIL_ON_RANK_1], timeout=60)
     assert run.returncode == 7, run.stdout
@@ -71,7 +74,7 @@ def test_a_failing_rank_fails_the_job_with_its_code_and_is_named(backend):
     assert f"du-launch: rank 1 exited with code 7; {stopped}" in run.stdout, run.stdout
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", START_PATHS)
 def test_an_exception_fails_the_job_with_its_traceback(backend):
     run = launch(2, backend, ["python", "-c", RAISE_ON_LAST], timeout=60)
     assert run.returncode == 1, run.stdout
@@ -184,7 +187,7 @@ du.barrier(b)
 """
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", START_PATHS)
 def test_ranks_write_to_a_pipe_and_their_last_lines_stay_whole(backend):
     """Under mpirun a rank's stdout is a pseudo-terminal 0 columns wide (tqdm drew nothing, and
     an abort left a NUL and glued du-launch's next line to the rank's last): every backend now
@@ -199,7 +202,7 @@ def test_ranks_write_to_a_pipe_and_their_last_lines_stay_whole(backend):
     assert "[rank 1] a last line without its end\n" in run.stdout, run.stdout
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", START_PATHS)
 def test_a_script_imports_the_modules_beside_it(backend, tmp_path):
     """As `python script.py` does: the script's directory comes first on sys.path."""
     (tmp_path / "helper.py").write_text("ANSWER = 42\n")
@@ -223,7 +226,7 @@ def test_second():
 """
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", START_PATHS)
 def test_a_test_failing_on_one_rank_ends_the_job_with_its_assertion(backend, tmp_path):
     """The library's pytest plugin: the failing rank stops at once and shows its failure; the
     job ends with that rank named, not at the watchdog's timeout with every rank blamed."""
@@ -240,7 +243,7 @@ def test_a_test_failing_on_one_rank_ends_the_job_with_its_assertion(backend, tmp
     assert "test_second" not in run.stdout, run.stdout
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", START_PATHS)
 def test_check_on_one_machine_measures_the_job_and_finds_a_missing_script(backend, tmp_path):
     """--check measures the job's links, and a job on the same hosts compares its account with that."""
     cache = {"XDG_CACHE_HOME": str(tmp_path)}
@@ -376,7 +379,7 @@ for step in range(20):
 """
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", START_PATHS)
 def test_the_account_and_the_timeline_name_the_slowed_rank(backend, tmp_path):
     """#29: a 3-rank job with rank 2 slowed by 100 ms a step (2 s in all): du-launch's closing account names it the
     straggler, the others waiting for it; the merged trace has one row per rank, rank 2's named so, the

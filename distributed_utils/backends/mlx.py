@@ -28,12 +28,16 @@ class MLXBackend(AbstractBackend):
         cls = type(self).__name__
         if not self.mlx_name:
             raise TypeError(f"{cls} is abstract: use RingBackend, MLXMPIBackend, NCCLBackend or JACCLBackend")
-        mpi = self.mlx_name == "mpi"
-        if not (contract.mlx_mpi_available() if mpi else mx.distributed.is_available(self.mlx_name)):
+        if self.mlx_name == "mpi":
+            available, launched = contract.mlx_mpi_available(), contract.launched_by_mpirun()
+        else:
+            available = mx.distributed.is_available(self.mlx_name)
+            launched = _LAUNCHED_BY.get(self.mlx_name) in os.environ
+        if not available:
             raise BackendUnavailableError(
                 f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' backend; {self.requires}"
             )
-        if contract.launched_by_mpirun() if mpi else _LAUNCHED_BY.get(self.mlx_name) in os.environ:
+        if launched:
             self.prepare()
             self.group = mx.distributed.init(strict=True, backend=self.mlx_name)
         else:  # a world of one needs no transport (and MPI_Init may already have run)
@@ -75,7 +79,10 @@ class MLXBackend(AbstractBackend):
         if self.size == 1 or not evaluate(x):
             return super().reduce_scatter(x)
         n, r, c = self.size, self.rank, x.shape[0] // self.size
-        part = lambda k: x[k % n * c : (k % n + 1) * c]  # noqa: E731
+
+        def part(k):  # (the k-th of the N parts, k taken modulo N)
+            return x[k % n * c : (k % n + 1) * c]
+
         total = part(r - 1)
         for step in range(n - 1):  # send the running sum of part r - step - 1 right, add part r - step - 2
             sent = mx.distributed.send(total, (r + 1) % n, group=self.group, stream=self.stream)
