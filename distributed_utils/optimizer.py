@@ -12,7 +12,7 @@ from . import fsdp, watchdog
 from .arrays import bits, evaluate, widened
 from .collectives import check_backend, check_count, check_same
 from .reduction import Reduction, as_weight, inverse
-from .state import Plain, check_plain, has_entries, scalars
+from .state import Plain, check_plain, has_entries, rule_settings, scalars
 
 
 class DistributedOptimizer(Plain, optim.Optimizer):
@@ -148,7 +148,7 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         shards = {k: v for k, v in every.items() if v[1] is self.backend}  # reduced already
         if not self._checked and evaluate(parameters):  # every rank starts alike (not while MLX traces)
             fsdp.check_mlx_sharding(self.backend, target, "DistributedOptimizer")
-            mine = dict(optimizer=self.rule_name(), accumulate_steps=self.accumulate_steps)
+            mine = dict(optimizer=rule_settings(self.optimizer), accumulate_steps=self.accumulate_steps)
             settings = {**mine, "shard_optimizer_state": self.sharded, **self.reduction.settings()}
             replicated = {k: p for k, p in tree_flatten(parameters) if k not in shards}
             check_start(self.backend, "DistributedOptimizer", replicated, settings)

@@ -59,6 +59,28 @@ class Plain(OptimizerState):
         self.optimizer.state = state
 
 
+def rule_settings(optimizer) -> dict:
+    """What makes two ranks' ``mlx.optimizers`` optimizers step alike, to compare across ranks: the class,
+    its hyperparameters (betas, momentum, ...), and the learning rate (a schedule: its value now, and its
+    name), those of a ``MultiOptimizer``'s optimizers in turn."""
+    if isinstance(optimizer, MultiOptimizer):
+        return {"optimizers": [rule_settings(o) for o in optimizer.optimizers]}
+    settings = {k: _comparable(v) for k, v in sorted(vars(optimizer).items()) if not k.startswith("_")}
+    schedules = {k: _comparable(f) for k, f in optimizer._schedulers.items()}
+    learning_rate = optimizer.state.get("learning_rate")
+    shown_rate = None if learning_rate is None else repr(learning_rate.item())
+    return {"rule": type(optimizer).__name__, **settings, "learning_rate": shown_rate, "schedules": schedules}
+
+
+def _comparable(value) -> str:
+    """``value`` as text that is the same on every rank holding the same value (a function: its name,
+    not its address)."""
+    if callable(value):
+        return getattr(value, "__qualname__", type(value).__name__)
+    shown = repr(value)
+    return type(value).__name__ if " at 0x" in shown else shown
+
+
 def of(optimizer) -> OptimizerState:
     """``optimizer``'s state protocol: the optimizer itself, or a plain one's ``Plain``."""
     return optimizer if isinstance(optimizer, OptimizerState) else Plain(optimizer)

@@ -269,3 +269,21 @@ def test_a_distributed_optimizer_with_other_settings_on_one_rank_fails_on_every_
     grads = nn.value_and_grad(model, loss_fn)(model, *dataset(0, 4))[1]
     with pytest.raises(ValueError, match=r"every rank needs the same accumulate_steps; ranks \[1\] differ"):
         opt.update(model, grads)
+
+
+@MULTI_RANK
+@pytest.mark.parametrize(
+    "inner",
+    [lambda r: optim.SGD(0.1 * (r + 1)), lambda r: optim.Adam(1e-3, betas=[0.9, 0.99 if r else 0.999])],
+)
+def test_a_wrapped_optimizer_with_another_learning_rate_or_setting_on_one_rank_fails_on_every_rank(
+    backend, inner
+):
+    """#39: the wrapped optimizer was compared by its class alone: a rank with another learning rate (or
+    beta) trained on, its parameters drifting from the others' with no error."""
+    model = mlp()
+    du.synchronize(backend, model)
+    opt = du.DistributedOptimizer(backend, inner(backend.rank))
+    grads = nn.value_and_grad(model, loss_fn)(model, *dataset(0, 4))[1]
+    with pytest.raises(ValueError, match=r"every rank needs the same optimizer; ranks \[1"):
+        opt.update(model, grads)
