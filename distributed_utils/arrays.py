@@ -3,8 +3,14 @@
 import mlx.core as mx
 import numpy as np
 
-#: The mx dtypes by name (mx dtypes do not pickle; their names do).
-MX_DTYPES = {str(d).removeprefix("mlx.core."): d for d in vars(mx).values() if isinstance(d, mx.Dtype)}
+
+def dtype_name(dtype) -> str:
+    """An mx or numpy dtype's name: "float32", "bfloat16" (mx dtypes do not pickle; their names do)."""
+    return str(dtype).removeprefix("mlx.core.")
+
+
+#: The mx dtypes by name.
+MX_DTYPES = {dtype_name(d): d for d in vars(mx).values() if isinstance(d, mx.Dtype)}
 
 #: The numpy dtypes a collective accepts (numpy has no bfloat16) -> the mx dtype of the same name.
 MX_BY_NUMPY = {np.dtype(name): d for name, d in MX_DTYPES.items() if name != "bfloat16"}
@@ -74,7 +80,7 @@ def bits(a) -> mx.array:
 def signature(x):
     """An array's ``(dtype name, shape)``; for anything else its type name."""
     if isinstance(x, (mx.array, np.ndarray)):
-        return (str(x.dtype).removeprefix("mlx.core."), tuple(x.shape))
+        return (dtype_name(x.dtype), tuple(x.shape))
     return type(x).__name__
 
 

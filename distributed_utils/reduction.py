@@ -21,7 +21,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from .arrays import NARROW_FLOATS, evaluate
+from .arrays import NARROW_FLOATS, dtype_name, evaluate
 from .collectives import allgather, allreduce_arrays, average_factor, finish, reduce_scatter_sum, start_sum
 from .tree import buckets, describe, floating_leaves, pack, replace_arrays, unpack, verify_same_structure
 
@@ -53,7 +53,7 @@ class Reduction:
     def __init__(self, backend, op="avg", compression=None, bucket_bytes=None):
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' (du.avg) or 'sum', got {op!r}")
-        name = None if compression is None else str(compression).removeprefix("mlx.core.")
+        name = None if compression is None else dtype_name(compression)
         if name not in (None, "bfloat16", "float16", "int8"):
             raise ValueError(
                 f"compression must be None, 'bfloat16', 'float16' or 'int8', got {compression!r}"
