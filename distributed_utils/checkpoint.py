@@ -1,9 +1,10 @@
 """Checkpoints that survive a job killed at any moment, and resume to the same trajectory (bit for
-bit, with the same data order). One safetensors file is written atomically (a CRC-32 per array, one
-over the metadata and the header), so ``path`` always holds the last complete checkpoint: by every rank
-where each sees rank 0's folder (each writes its shards of a fully sharded model), else by rank 0 alone
-(gathering one shard at a time). Rank 0 reads it back for every rank (the others need not see it), each
-keeping only its shards: no rank ever holds the whole of a fully sharded model."""
+bit, with the same data order). One safetensors file is written atomically (CRC-32s of each array's
+pieces, one over the metadata and the header), so ``path`` always holds the last complete checkpoint.
+An array is pieces: a replicated one rank 0's, a fully sharded model's one per rank; each rank writes
+its own where every rank sees rank 0's folder, else rank 0 writes all (gathering one shard at a time).
+Rank 0 reads it back for every rank (the others need not see it), each keeping only its shards: no
+rank ever holds the whole of a fully sharded model."""
 
 import contextlib
 import functools
@@ -15,7 +16,6 @@ import struct
 import warnings
 import zlib
 from pathlib import Path
-from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -99,15 +99,14 @@ def _write(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then
     reads the file back against every piece's CRC-32 before it replaces ``path``."""
     specs = {k: (a.dtype, wholes[k][0] if k in wholes else a.shape) for k, a in arrays.items()}
     counts = {k: wholes[k][1].size if k in wholes else 1 for k in arrays}  # (the pieces of each array)
-    layout = _layout(specs, meta_json, counts)  # (its metadata and so its offsets: rank 0's)
+    specs, metadata, room, offsets = _layout(specs, meta_json, counts)  # (the metadata, so offsets: rank 0's)
     tmp, token, offsets = root_runs(
-        backend, lambda: (*_started(path, stale), layout.offsets), 0, CheckpointError, f"write {path}"
+        backend, lambda: (*_started(path, stale), offsets), 0, CheckpointError, f"write {path}"
     )
-    layout = layout._replace(offsets=offsets)
     one_group = bool(wholes) and backend.size > 1 and all(b is backend for _, b in wholes.values())
     shared = one_group and _seen_everywhere(backend, tmp, token)  # (hybrid sharding: rank 0 writes all)
     writer = _Writer(tmp if shared or backend.rank == 0 else None)
-    _write_arrays(backend, writer, arrays, wholes, layout, shared)
+    _write_arrays(backend, writer, arrays, wholes, specs, counts, offsets, shared)
     writer.close()
     everyone = allgather(backend, (writer.crcs, writer.error))
     errors = [f"rank {r} could not write {path}: {error}" for r, (_, error) in enumerate(everyone) if error]
@@ -117,7 +116,7 @@ def _write(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then
         raise CheckpointError("; ".join(errors))
     # (an empty piece, of ranks past a small array's end: crc32(b"") == 0)
     crcs = {k: [everyone[r if shared else 0][0].get((k, r), 0) for r in range(n)] for k, n in counts.items()}
-    finish = functools.partial(_finished, tmp, path, layout, crcs, then)
+    finish = functools.partial(_finished, tmp, path, room, _header(specs, metadata, crcs), crcs, then)
     root_runs(backend, finish, 0, CheckpointError, f"write {path}")
 
 
@@ -129,18 +128,18 @@ def _seen_everywhere(backend, tmp: Path, token: bytes) -> bool:
     return all(allgather(backend, seen))
 
 
-def _write_arrays(backend, writer, arrays: dict, wholes: dict, layout, shared: bool):
+def _write_arrays(backend, writer, arrays: dict, wholes: dict, specs, counts, offsets, shared: bool):
     """Collective: each array's pieces written by their writers (``shared``: piece r by rank r, else all by
     rank 0, of a sharded array gathered whole first), in writes of at most ``_PIECE_BYTES``. After each
     ``_PIECE_BYTES`` rank 0 writes, every rank joins a barrier: a write longer than the timeout is no stall,
     a rank 0 that stops writing is. Their number follows from the layout, the same on every rank."""
     written = 0  # (the bytes rank 0 has written)
-    for key, (dtype, shape) in layout.specs.items():
+    for key, (dtype, shape) in specs.items():
         a = arrays[key]
         if key in wholes and not shared:
             a = fsdp.gather(wholes[key][1], [a], [shape])[0]
         flat = None if writer.file is None else np.asarray(bits(a))
-        size, n = math.prod(shape), layout.counts[key]
+        size, n = math.prod(shape), counts[key]
         c, step = -(-size // n), max(1, _PIECE_BYTES // dtype.size)  # (a piece's and a write's elements)
         for r in range(n):
             owner = r if shared else 0
@@ -149,7 +148,7 @@ def _write_arrays(backend, writer, arrays: dict, wholes: dict, layout, shared: b
                 stop = min(size, r * c + c, start + step)
                 if backend.rank == owner:
                     data = flat[start - origin : stop - origin]
-                    writer.write((key, r), layout.offsets[key] + start * dtype.size, data)
+                    writer.write((key, r), offsets[key] + start * dtype.size, data)
                 if owner == 0:
                     before, written = written, written + (stop - start) * dtype.size
                     if before // _PIECE_BYTES < written // _PIECE_BYTES:
@@ -162,33 +161,30 @@ class _Writer:
 
     def __init__(self, tmp):
         self.crcs, self.error, self.file, self.written = {}, None, None, 0
-        try:
-            self.file = None if tmp is None else open(tmp, "r+b")
-        except OSError as e:
-            self.error = f"{type(e).__name__}: {e}"
+        self._do(lambda: setattr(self, "file", None if tmp is None else open(tmp, "r+b")))
 
     def write(self, piece, offset: int, data):
         self.crcs[piece] = zlib.crc32(data, self.crcs.get(piece, 0))
-        if self.error is not None:
-            return
         before, self.written = self.written, self.written + data.nbytes
-        try:
-            self.file.seek(offset)
-            _write_pieces(self.file, data, before // (4 * _PIECE_BYTES) < self.written // (4 * _PIECE_BYTES))
-        except Exception as e:  # (every rank hears of it after the writes; rank 0 removes the file)
-            self.error = f"{type(e).__name__}: {e}"
+        sync = before // (4 * _PIECE_BYTES) < self.written // (
+            4 * _PIECE_BYTES
+        )  # (the last fsync stays short)
+        self._do(lambda: self.file.seek(offset), lambda: _write_pieces(self.file, data, sync))
 
     def close(self):
         """Flushed, fsynced and closed."""
-        if self.file is None:
-            return
-        try:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-        except OSError as e:
-            self.error = self.error or f"{type(e).__name__}: {e}"
-            self.file.close()
+        if self.file is not None:
+            with self.file:
+                self._do(self.file.flush, lambda: os.fsync(self.file.fileno()))
+
+    def _do(self, *steps):
+        """``steps`` in turn, unless an error came before; the first error kept."""
+        if self.error is None:
+            try:
+                for step in steps:
+                    step()
+            except Exception as e:  # (every rank hears of it after the writes; rank 0 removes the file)
+                self.error = f"{type(e).__name__}: {e}"
 
 
 @watchdog.watch("load_checkpoint", timeout=0)
@@ -278,18 +274,9 @@ def _section(arrays, section) -> list:
     return [(k.removeprefix(section + "."), v) for k, v in arrays.items() if k.startswith(section + ".")]
 
 
-class _Layout(NamedTuple):
-    """A file's arrays (``specs``: float64 as its bits), the pieces of each, its metadata, the room its header
-    takes (with the widest CRC-32s) and each array's offset in it."""
-
-    specs: dict
-    counts: dict
-    metadata: dict
-    room: int
-    offsets: dict
-
-
-def _layout(specs: dict, meta_json: str, counts: dict) -> _Layout:
+def _layout(specs: dict, meta_json: str, counts: dict):
+    """``(specs, metadata, room, offsets)`` of a file of ``specs``'s arrays (float64 as its bits), each in
+    ``counts`` pieces: the room its header takes with the widest CRC-32s, each array's offset."""
     doubles = [key for key, (dtype, _) in specs.items() if dtype == mx.float64]
     specs = {k: (mx.uint64 if k in doubles else dtype, shape) for k, (dtype, shape) in specs.items()}
     metadata = {"distributed_utils": meta_json, "float64": json.dumps(doubles)}
@@ -297,7 +284,7 @@ def _layout(specs: dict, meta_json: str, counts: dict) -> _Layout:
     header = _header(specs, metadata, {key: [2**32 - 1] * n for key, n in counts.items()})
     room = len(header) + 10
     offsets = {k: 8 + room + v["data_offsets"][0] for k, v in json.loads(header).items() if k in specs}
-    return _Layout(specs, counts, metadata, room, offsets)
+    return specs, metadata, room, offsets
 
 
 def _started(path: Path, stale=None):
@@ -310,15 +297,12 @@ def _started(path: Path, stale=None):
     return tmp, token
 
 
-def _finished(tmp: Path, path: Path, layout: _Layout, crcs: dict, then=None):
-    """``tmp`` (its arrays written) given ``layout``'s header with ``crcs``, fsynced, read back against them,
+def _finished(tmp: Path, path: Path, room: int, header: bytes, crcs: dict, then=None):
+    """``tmp`` (its arrays written) given ``header`` (``room`` bytes), fsynced, read back against ``crcs``,
     renamed to ``path``, its folder synced, then ``then()``; or no tmp."""
     try:
         with open(tmp, "r+b") as f:
-            f.write(
-                struct.pack("<Q", layout.room)
-                + _header(layout.specs, layout.metadata, crcs).ljust(layout.room)
-            )
+            f.write(struct.pack("<Q", room) + header.ljust(room))
             f.flush()
             os.fsync(f.fileno())
         _check_crcs(tmp, dict(mx.load(str(tmp), format="safetensors")), crcs)  # (as a load will)
