@@ -1,17 +1,18 @@
 """Checkpoints that survive a job killed at any moment, and resume to the same trajectory (bit for
-bit, with the same data order). One safetensors file is written atomically (a CRC-32 per array, one
-over the metadata and the header), so ``path`` always holds the last complete checkpoint: by every rank
-where each sees rank 0's folder (each writes its shards of a fully sharded model), else by rank 0 alone
-(gathering one shard at a time). Rank 0 reads it back for every rank (the others need not see it), each
-keeping only its shards: no rank ever holds the whole of a fully sharded model."""
+bit, with the same data order). One safetensors file is written atomically (CRC-32s of each array's
+pieces, one over the metadata and the header), so ``path`` always holds the last complete checkpoint.
+An array is pieces: a replicated one rank 0's, a fully sharded model's one per rank; each rank writes
+its own where every rank sees rank 0's folder, else rank 0 writes all (gathering one shard at a time).
+Rank 0 reads it back for every rank (the others need not see it), each keeping only its shards: no
+rank ever holds the whole of a fully sharded model."""
 
 import contextlib
+import functools
 import itertools
 import json
 import math
 import os
 import struct
-import time
 import warnings
 import zlib
 from pathlib import Path
@@ -22,16 +23,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import fsdp, watchdog
 from .arrays import MX_DTYPES, bits, show, signature, to_mx
-from .collectives import allgather, bcast, check_backend, check_count, root_runs
+from .collectives import allgather, barrier, check_backend, check_count, root_runs
 from .state import of
 from .synchronize import synchronize
 from .tree import describe
 
-FORMAT = "distributed_utils.checkpoint/3"  # (3: a sharded array's CRC-32 per rank's piece)
+FORMAT = "distributed_utils.checkpoint/3"  # (3: each array's CRC-32s, one per piece; one int read too)
 _FORMAT_1 = "distributed_utils.checkpoint/1"  # (read too: without the checksum of the metadata)
-#: While rank 0 writes, every rank hears from it this often: a long save is no stall; a stopped rank 0 is.
-HEARTBEAT_SECONDS = 1.0
-_PIECE_BYTES = 64 * 2**20  # written between heartbeats; fsync every 4 pieces
+_PIECE_BYTES = 64 * 2**20  # the most one write takes; a barrier after each of rank 0's; fsync every 4
 
 
 class CheckpointError(RuntimeError):
@@ -89,95 +88,103 @@ def save_checkpoint(
             old.unlink()
 
     stale = ".step-*.safetensors.tmp-*" if keep is not None else None  # (in a keep folder: any step's)
-    _root_writes(backend, path, arrays, _wholes(arrays, shards), meta_json, prune if keep else None, stale)
+    _write(backend, path, arrays, _wholes(arrays, shards), meta_json, prune if keep else None, stale)
 
 
-def _root_writes(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then=None, stale=None):
-    """Collective: ``arrays`` written to ``path`` (each shard at a key of ``wholes``, ``{key: (whole shape,
-    backend)}``, as its whole), then ``then()`` on rank 0. Where every rank sees rank 0's new file (one shared
-    folder), each rank writes its own shards' bytes; else rank 0 writes all, gathering one shard at a time."""
+def _write(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then=None, stale=None):
+    """Collective: ``arrays`` written to ``path`` (each at a key of ``wholes``, ``{key: (whole shape,
+    backend)}``, a rank's shard of its whole), then ``then()`` on rank 0. Every array is a list of pieces: one
+    of a replicated array (rank 0's), one per rank of a shard. Where every rank sees the file rank 0 starts,
+    each rank writes its own pieces; else rank 0 writes all, gathering one sharded array at a time. Rank 0
+    reads the file back against every piece's CRC-32 before it replaces ``path``."""
     specs = {k: (a.dtype, wholes[k][0] if k in wholes else a.shape) for k, a in arrays.items()}
-    if wholes and backend.size > 1 and all(b is backend for _, b in wholes.values()):  # (hybrid: rank 0's)
-        if _every_rank_writes(backend, path, arrays, wholes, specs, meta_json, then, stale):
-            return
-    last, layout = time.monotonic(), _layout(specs, meta_json)
-
-    def heartbeat(flag=1):  # (rank 0's: 1 "still writing", 2 "gather the next shard", 0 "done")
-        nonlocal last
-        if flag == 2 or time.monotonic() - last > HEARTBEAT_SECONDS:
-            bcast(backend, np.array([flag]), 0)
-            last = time.monotonic()
-
-    def produce(key):
-        if key not in wholes:
-            return arrays[key]
+    counts = {k: wholes[k][1].size if k in wholes else 1 for k in arrays}  # (the pieces of each array)
+    specs, metadata, room, offsets = _layout(specs, meta_json, counts)  # (the metadata, so offsets: rank 0's)
+    tmp, token, offsets = root_runs(
+        backend, lambda: (*_started(path, stale), offsets), 0, CheckpointError, f"write {path}"
+    )
+    one_group = bool(wholes) and backend.size > 1 and all(b is backend for _, b in wholes.values())
+    shared = one_group and _seen_everywhere(backend, tmp, token)  # (hybrid sharding: rank 0 writes all)
+    writer = _Writer(tmp if shared or backend.rank == 0 else None)
+    _write_arrays(backend, writer, arrays, wholes, specs, counts, offsets, shared)
+    writer.close()
+    everyone = allgather(backend, (writer.crcs, writer.error))
+    errors = [f"rank {r} could not write {path}: {error}" for r, (_, error) in enumerate(everyone) if error]
+    if errors:
         if backend.rank == 0:
-            heartbeat(2)
-        return fsdp.gather(wholes[key][1], [arrays[key]], [wholes[key][0]])[0]
-
-    if backend.rank != 0:
-        gathers = iter([key for key in arrays if key in wholes])
-        while flag := bcast(backend, np.array([0]), 0)[0]:
-            if flag == 2:
-                produce(next(gathers))
-
-    def fill(f):  # (each array in turn, from the first array's place)
-        for key in arrays:
-            data = np.asarray(bits(produce(key)))
-            layout[2][key] = zlib.crc32(data)
-            heartbeat()
-            _write_pieces(f, data, heartbeat)
-
-    def write():
-        try:  # (whatever fails, the others hear 0 and leave their loop)
-            _finished(_started(path, stale)[0], path, layout, fill, then=then)
-        finally:
-            bcast(backend, np.array([0]), 0)
-
-    root_runs(backend, write, 0, CheckpointError, f"write {path}")
+            tmp.unlink(missing_ok=True)
+        raise CheckpointError("; ".join(errors))
+    # (an empty piece, of ranks past a small array's end: crc32(b"") == 0)
+    crcs = {k: [everyone[r if shared else 0][0].get((k, r), 0) for r in range(n)] for k, n in counts.items()}
+    finish = functools.partial(_finished, tmp, path, room, _header(specs, metadata, crcs), crcs, then)
+    root_runs(backend, finish, 0, CheckpointError, f"write {path}")
 
 
-def _every_rank_writes(
-    backend, path: Path, arrays: dict, wholes: dict, specs, meta_json, then, stale
-) -> bool:
-    """Collective: if every rank sees the file rank 0 starts, each writes its shards' bytes into it (rank 0
-    also the rest, the header, then ``_finished``, verified); else False, nothing written (no shared one)."""
-    layout = specs, _, crcs, _, offsets = _layout(specs, meta_json, wholes, backend.size)
-    started = lambda: (*_started(path, stale), offsets)  # noqa: E731  (rank 0's: its metadata's room)
-    tmp, token, offsets = root_runs(backend, started, 0, CheckpointError, f"write {path}")
+def _seen_everywhere(backend, tmp: Path, token: bytes) -> bool:
+    """Collective: whether every rank reads ``token`` in ``tmp`` (one folder, or a shared file system)."""
     seen = False
     with contextlib.suppress(OSError), open(tmp, "rb") as f:  # (a file of that name elsewhere: not the token)
         seen = f.read(8 + len(token))[8:] == token
-    if not all(allgather(backend, seen)):
-        if backend.rank == 0:
-            tmp.unlink(missing_ok=True)
-        return False
-    mine, error, r = {}, None, backend.rank
-    try:
-        with open(tmp, "r+b") as f:
-            for key, (dtype, shape) in specs.items():
-                if key not in wholes and r != 0:
-                    continue
-                c = arrays[key].size if key in wholes else 0  # (a shard: elements r * c .. of the whole)
-                data = np.asarray(bits(arrays[key][: max(0, math.prod(shape) - r * c)] if c else arrays[key]))
-                mine[key] = zlib.crc32(data)
-                f.seek(offsets[key] + r * c * dtype.size)
-                _write_pieces(f, data, lambda: None)
-            f.flush()
-            os.fsync(f.fileno())
-    except Exception as e:  # (every rank must hear of it: rank 0 removes the file)
-        error = f"rank {r} could not write its shards: {type(e).__name__}: {e}"
-    everyone = allgather(backend, (mine, error))
+    return all(allgather(backend, seen))
 
-    def combine(_):
-        if errors := [e for _, e in everyone if e]:
-            raise OSError("; ".join(errors))
-        for key in crcs:
-            crcs[key] = [theirs[key] for theirs, _ in everyone] if key in wholes else everyone[0][0][key]
 
-    finish = lambda: _finished(tmp, path, layout, combine, verify=True, then=then)  # noqa: E731
-    root_runs(backend, finish, 0, CheckpointError, f"write {path}")
-    return True
+def _write_arrays(backend, writer, arrays: dict, wholes: dict, specs, counts, offsets, shared: bool):
+    """Collective: each array's pieces written by their writers (``shared``: piece r by rank r, else all by
+    rank 0, of a sharded array gathered whole first), in writes of at most ``_PIECE_BYTES``. After each
+    ``_PIECE_BYTES`` rank 0 writes, every rank joins a barrier: a write longer than the timeout is no stall,
+    a rank 0 that stops writing is. Their number follows from the layout, the same on every rank."""
+    written = 0  # (the bytes rank 0 has written)
+    for key, (dtype, shape) in specs.items():
+        a = arrays[key]
+        if key in wholes and not shared:
+            a = fsdp.gather(wholes[key][1], [a], [shape])[0]
+        flat = None if writer.file is None else np.asarray(bits(a))
+        size, n = math.prod(shape), counts[key]
+        c, step = -(-size // n), max(1, _PIECE_BYTES // dtype.size)  # (a piece's and a write's elements)
+        for r in range(n):
+            owner = r if shared else 0
+            origin = r * c if shared else 0  # (where the array this rank holds starts in the whole)
+            for start in range(r * c, min(size, r * c + c), step):
+                stop = min(size, r * c + c, start + step)
+                if backend.rank == owner:
+                    data = flat[start - origin : stop - origin]
+                    writer.write((key, r), offsets[key] + start * dtype.size, data)
+                if owner == 0:
+                    before, written = written, written + (stop - start) * dtype.size
+                    if before // _PIECE_BYTES < written // _PIECE_BYTES:
+                        barrier(backend)
+
+
+class _Writer:
+    """One rank's writes into the temporary file (None: it writes nothing): the CRC-32 of each piece it
+    wrote (``{(key, rank): crc}``), and its first error, after which it writes no more."""
+
+    def __init__(self, tmp):
+        self.crcs, self.error, self.file, self.written = {}, None, None, 0
+        self._do(lambda: setattr(self, "file", None if tmp is None else open(tmp, "r+b")))
+
+    def write(self, piece, offset: int, data):
+        self.crcs[piece] = zlib.crc32(data, self.crcs.get(piece, 0))
+        before, self.written = self.written, self.written + data.nbytes
+        sync = before // (4 * _PIECE_BYTES) < self.written // (
+            4 * _PIECE_BYTES
+        )  # (the last fsync stays short)
+        self._do(lambda: self.file.seek(offset), lambda: _write_pieces(self.file, data, sync))
+
+    def close(self):
+        """Flushed, fsynced and closed."""
+        if self.file is not None:
+            with self.file:
+                self._do(self.file.flush, lambda: os.fsync(self.file.fileno()))
+
+    def _do(self, *steps):
+        """``steps`` in turn, unless an error came before; the first error kept."""
+        if self.error is None:
+            try:
+                for step in steps:
+                    step()
+            except Exception as e:  # (every rank hears of it after the writes; rank 0 removes the file)
+                self.error = f"{type(e).__name__}: {e}"
 
 
 @watchdog.watch("load_checkpoint", timeout=0)
@@ -267,18 +274,17 @@ def _section(arrays, section) -> list:
     return [(k.removeprefix(section + "."), v) for k, v in arrays.items() if k.startswith(section + ".")]
 
 
-def _layout(specs: dict, meta_json: str, pieced=(), n=1):
-    """``(specs, metadata, CRC-32s, room, offsets)`` of a file of ``specs``'s arrays (float64 as its bits):
-    room for the widest CRC-32s (of ``pieced`` keys, a list: one per rank's piece), each array's offset."""
+def _layout(specs: dict, meta_json: str, counts: dict):
+    """``(specs, metadata, room, offsets)`` of a file of ``specs``'s arrays (float64 as its bits), each in
+    ``counts`` pieces: the room its header takes with the widest CRC-32s, each array's offset."""
     doubles = [key for key, (dtype, _) in specs.items() if dtype == mx.float64]
     specs = {k: (mx.uint64 if k in doubles else dtype, shape) for k, (dtype, shape) in specs.items()}
     metadata = {"distributed_utils": meta_json, "float64": json.dumps(doubles)}
     metadata["keys"] = json.dumps(list(specs))  # (mx.load's own order is not theirs)
-    crcs = {key: [2**32 - 1] * n if key in pieced else 2**32 - 1 for key in specs}
-    header = _header(specs, metadata, crcs)
+    header = _header(specs, metadata, {key: [2**32 - 1] * n for key, n in counts.items()})
     room = len(header) + 10
     offsets = {k: 8 + room + v["data_offsets"][0] for k, v in json.loads(header).items() if k in specs}
-    return specs, metadata, crcs, room, offsets
+    return specs, metadata, room, offsets
 
 
 def _started(path: Path, stale=None):
@@ -291,20 +297,15 @@ def _started(path: Path, stale=None):
     return tmp, token
 
 
-def _finished(tmp: Path, path: Path, layout, fill, verify=False, then=None):
-    """``fill(f)`` (``tmp`` open at its first array), ``layout``'s header with the CRC-32s filled in, fsync,
-    (``verify``: read back against them,) renamed to ``path``, its folder synced, ``then()``; or no tmp."""
-    specs, metadata, crcs, room, _ = layout
+def _finished(tmp: Path, path: Path, room: int, header: bytes, crcs: dict, then=None):
+    """``tmp`` (its arrays written) given ``header`` (``room`` bytes), fsynced, read back against ``crcs``,
+    renamed to ``path``, its folder synced, then ``then()``; or no tmp."""
     try:
         with open(tmp, "r+b") as f:
-            f.seek(8 + room)
-            fill(f)
-            f.seek(0)
-            f.write(struct.pack("<Q", room) + _header(specs, metadata, crcs).ljust(room))
+            f.write(struct.pack("<Q", room) + header.ljust(room))
             f.flush()
             os.fsync(f.fileno())
-        if verify:  # (bytes several ranks wrote: checked as a load will, or the last checkpoint stays)
-            _check_crcs(tmp, dict(mx.load(str(tmp), format="safetensors")), crcs)
+        _check_crcs(tmp, dict(mx.load(str(tmp), format="safetensors")), crcs)  # (as a load will)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -341,17 +342,12 @@ def _header_crc(metadata: dict, specs: dict) -> str:
     return str(zlib.crc32("\n".join(parts).encode()))
 
 
-def _write_pieces(f, data, heartbeat):
-    """``data`` written to ``f`` in pieces of ``_PIECE_BYTES``, ``heartbeat()`` after each; fsync after
-    every 4 pieces' bytes (so that the last fsync stays short)."""
-    view = memoryview(data).cast("B")
-    for start in range(0, len(view), _PIECE_BYTES):
-        before = f.tell()
-        f.write(view[start : start + _PIECE_BYTES])
-        if before // (4 * _PIECE_BYTES) < f.tell() // (4 * _PIECE_BYTES):
-            f.flush()
-            os.fsync(f.fileno())
-        heartbeat()
+def _write_pieces(f, data, sync: bool):
+    """``data`` written at ``f``'s position (``sync``: then flushed and fsynced, so the last fsync stays short)."""
+    f.write(memoryview(data).cast("B"))
+    if sync:
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _checkpoints_in(folder: Path) -> list:
@@ -426,12 +422,12 @@ def _verified(path: Path):
 
 def _check_crcs(path, arrays: dict, crcs: dict):
     """CheckpointError unless the bytes of each of ``arrays`` (read, checked and let go, in turn) match their
-    CRC-32 (a list: those of its pieces, one per rank, as ``_every_rank_writes`` wrote them)."""
+    CRC-32s: a list, one per piece (n pieces of ceil(size / n) elements), or one int (older files)."""
     for key in list(arrays):
         data, want = np.asarray(bits(arrays.pop(key))), crcs.get(key)
-        n = len(want) if isinstance(want, list) else 0
-        c = -(-data.size // max(n, 1))
-        if ([zlib.crc32(data[r * c : (r + 1) * c]) for r in range(n)] if n else zlib.crc32(data)) != want:
+        want = want if isinstance(want, list) else [want]
+        c = -(-data.size // len(want))
+        if [zlib.crc32(data[r * c : (r + 1) * c]) for r in range(len(want))] != want:
             raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
 
 
@@ -445,10 +441,10 @@ def _check_fits(path, section, saved, tree, exact=True):
     keys = sorted(set(have) | (set(saved) if exact and tree is not None else set()))
     key = next((k for k in keys if saved.get(k) != have.get(k)), None)
     if key is not None:
-        shown = lambda sig: "nothing" if sig is None else show(sig)  # noqa: E731
+        shown = ["nothing" if sig is None else show(sig) for sig in (saved.get(key), have.get(key))]
         raise CheckpointError(
             f"load_checkpoint: {path} does not fit the {section}: at '{key}' the checkpoint has "
-            f"{shown(saved.get(key))} and the {section} {shown(have.get(key))}"
+            f"{shown[0]} and the {section} {shown[1]}"
         )
 
 
@@ -462,4 +458,4 @@ def save_adapters(backend, path, model, config=None, *, trainable_only=True):
     write_config = None if config is None else lambda: config_file.write_text(json.dumps(config, indent=4))
     arrays = dict(tree_flatten(model.trainable_parameters() if trainable_only else model.parameters()))
     wholes = _wholes(arrays, shards, sectioned=False)
-    _root_writes(backend, path, arrays, wholes, json.dumps({"format": "adapters"}), write_config)
+    _write(backend, path, arrays, wholes, json.dumps({"format": "adapters"}), write_config)

@@ -352,6 +352,28 @@ def test_a_checkpoint_of_an_older_version_loads_unverified(backend, tmp_path, cr
         assert any(said in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
+OLD_FILE = Path(__file__).parent / "data" / "format-3-one-crc-per-array.safetensors"
+
+
+def test_a_file_with_one_crc_per_array_loads_and_is_still_verified(backend, tmp_path):
+    """Written by the version before one writer (15f9e65: a replicated array's CRC-32 as one int, not a list of
+    its pieces'), of ``mx.random.seed(7); nn.Linear(3, 4)`` and a fresh Adam: it loads, checked."""
+    _, saved = mx.load(str(OLD_FILE), return_metadata=True)
+    assert all(isinstance(crc, int) for crc in json.loads(saved["crc32"]).values())  # (the old form indeed)
+    mx.random.seed(7)
+    expected = nn.Linear(3, 4)
+    model, opt = nn.Linear(3, 4), optim.Adam(1e-2)
+    state = du.load_checkpoint(backend, OLD_FILE, model=model, optimizer=opt)
+    assert state["step"] == 5 and state["extra"] == {"written by": "distributed_utils at 15f9e65"}
+    assert mx.array_equal(model.weight, expected.weight).item() and opt.state["step"].item() == 0
+    damaged = du.bcast(backend, str(tmp_path / "damaged"))
+    if backend.rank == 0:
+        Path(damaged).write_bytes(OLD_FILE.read_bytes())
+        flip_a_byte(Path(damaged), "model.weight")
+    with pytest.raises(du.CheckpointError, match="the bytes of 'model.weight' do not match their checksum"):
+        du.load_checkpoint(backend, damaged, model=model)
+
+
 FRESH_OPTIMIZERS = {
     "Adam": lambda b: optim.Adam(1e-2),
     "replicated": lambda b: du.DistributedOptimizer(b, optim.Adam(1e-2)),

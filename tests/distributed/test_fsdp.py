@@ -8,6 +8,7 @@ import gc
 import math
 import weakref
 from functools import partial
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -255,6 +256,23 @@ def test_a_checkpoint_holds_the_whole_model_and_resumes_bit_for_bit(backend, tmp
     plain = net(seed=5).load_weights(weights)
     for key, a in tree_flatten(plain.parameters()):
         assert mx.array_equal(a, expected[key]).item(), key
+
+
+def test_every_rank_writing_and_rank_0_writing_all_give_the_same_bytes(backend, tmp_path, monkeypatch):
+    """The one writer: each rank its own pieces (one folder), or rank 0 every piece (not), in writes of at
+    most ``_PIECE_BYTES`` (here 40: a piece in several writes, a barrier after each 40 bytes of rank 0's):
+    the same file, byte for byte, as one save in 64 MiB writes."""
+    folder = Path(du.bcast(backend, str(tmp_path)))
+    model, opt = sharded(backend, net()), du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    train(model, opt, batches(backend, steps=1)[1])
+    du.save_checkpoint(backend, folder / "whole", model=model, optimizer=opt, step=1)
+    monkeypatch.setattr(du.checkpoint, "_PIECE_BYTES", 40)
+    du.save_checkpoint(backend, folder / "shared", model=model, optimizer=opt, step=1)
+    not_in_one_folder(monkeypatch, backend)
+    du.save_checkpoint(backend, folder / "not shared", model=model, optimizer=opt, step=1)
+    if backend.rank == 0:
+        whole = (folder / "whole").read_bytes()
+        assert (folder / "shared").read_bytes() == whole and (folder / "not shared").read_bytes() == whole
 
 
 @pytest.mark.world(min_size=2)
