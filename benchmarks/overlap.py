@@ -1,16 +1,22 @@
-"""Does DiLoCo's fragment_sync_delay hide a sync behind the inner steps? Two hosts made of network
-namespaces (tests/hosts.py), the link shaped with tc's token bucket filter. Needs root.
+"""Does a step hide its communication behind its compute? Two hosts made of network namespaces
+(tests/hosts.py), the veth between them shaped with tc's token bucket filter. Needs root.
 
-    python benchmarks/overlap.py [--rate 100mbit] [--backends ring mpi] [--rounds 3]
+    python benchmarks/overlap.py [--backends mpi ring mlx-mpi] [--rates 100mbit 200mbit 1gbit] [--steps 12]
 
-One rank per host trains a model of two 1024 x 1024 layers (8.4 MB of float32, about the size
-of one sync at 100 Mbit/s, 0.7 s, to its 8 inner steps' compute) with DiLoCo, sync_every 8:
-without a delay (each sync waits for its all-reduce) and with fragment_sync_delay 4 (the
-all-reduce starts 4 steps early and travels while they compute). Rank 0 prints the mean
-seconds per step of each, taking turns for --rounds rounds of 24 steps, and their ratio.
+One rank per host trains the byte-level Llama of benchmarks/links.py (0.72M parameters, 2.9 MB of
+float32 gradients), AdamW, 4 x 33 tokens a rank and step. In one job, taking turns for ``--rounds``
+rounds, rank 0 reports the median step time of the slowest rank (after a warm-up step) of:
+- compute: the step with no collective (forward, backward, the optimizer's update, all on this rank);
+- reduction: ``du.reduce_gradients`` of the step's gradients, already computed (the communication alone);
+- `DistributedOptimizer`: the step, its reduction started bucket by bucket during the backward pass;
+- `average_gradients`: MLX's ``mlx.nn.average_gradients`` then the optimizer (MLX's backends and MPI);
+- `fully_shard`: every block, then the root, fully sharded (its gathers and reduce-scatters);
+and the ratio of each step to max(compute, reduction): 1.0 hides all of the shorter one, 2.0 none.
 """
 
 import argparse
+import json
+import statistics
 import subprocess
 import sys
 import time
@@ -18,65 +24,116 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "examples"))
+METHODS = ("compute", "reduction", "DistributedOptimizer", "average_gradients", "fully_shard")
 
 
-def worker(rounds):
+def worker(steps, rounds):
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
+    import numpy as np
+    from llama_tinystories import Llama, loss_fn
 
     import distributed_utils as du
 
     backend = du.initialize()
-    x = mx.random.normal((32, 1024), key=mx.random.key(du.local_rank(backend)))
-    seconds = {0: [], 4: []}
+    rank = du.local_rank(backend)
+    rng = np.random.default_rng(rank)
+    tokens = mx.array(rng.integers(0, 256, (4, 33)), mx.int32)
+    mask = mx.ones((4, 33), mx.float32)
+
+    def model_and_step(method):
+        mx.random.seed(0)
+        model = Llama(vocab=257, dims=128, mlp_dims=256)
+        du.synchronize(backend, model)
+        if method == "fully_shard":
+            for layer in model.layers:
+                du.fully_shard(backend, layer)
+            du.fully_shard(backend, model)
+        loss_and_grad = nn.value_and_grad(model, lambda m: loss_fn(m, tokens, mask)[0])
+        inner = optim.AdamW(1e-3)
+        opt = inner if method in ("compute", "average_gradients") else du.DistributedOptimizer(backend, inner)
+        grads = loss_and_grad(model)[1]
+        mx.eval(grads)
+
+        def step():
+            if method == "reduction":
+                mx.eval(du.reduce_gradients(backend, grads))
+                return
+            loss, g = loss_and_grad(model)
+            if method == "average_gradients":
+                g = nn.average_gradients(g)
+            opt.update(model, g)
+            mx.eval(loss, model.parameters(), opt.state)
+
+        return step
+
+    seconds = {m: [] for m in METHODS}
     for _ in range(rounds):
-        for delay in seconds:
-            mx.random.seed(0)
-            model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
-            opt = du.DiLoCo(backend, optim.AdamW(1e-3), sync_every=8, fragment_sync_delay=delay)
-            step = nn.value_and_grad(model, lambda m: (m(x) ** 2).mean())
-            for s in range(25):  # the first step, with its checks, is not timed
-                if s == 1:
-                    du.barrier(backend)
-                    start = time.perf_counter()
-                _, grads = step(model)
-                opt.update(model, grads)
-                mx.eval(model.parameters(), opt.state)
-            du.barrier(backend)
-            seconds[delay].append((time.perf_counter() - start) / 24)
-    if du.local_rank(backend) == 0:
-        mean = {d: sum(t) / len(t) for d, t in seconds.items()}
-        print(
-            f"RESULT no delay {mean[0] * 1e3:.0f} ms/step, fragment_sync_delay=4 {mean[4] * 1e3:.0f} ms/step, "
-            f"ratio {mean[4] / mean[0]:.2f}",
-            flush=True,
-        )
+        for method in METHODS:
+            step = model_and_step(method)
+            step()  # (the first step, with its checks, is not timed)
+            for _ in range(steps):
+                du.barrier(backend)
+                start = time.perf_counter()
+                step()
+                seconds[method].append(time.perf_counter() - start)
+    medians = {m: du.allreduce(backend, statistics.median(t), "max") for m, t in seconds.items()}
+    if rank == 0:
+        print("RESULT", json.dumps(medians), flush=True)
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--rate", default="100mbit")
-    p.add_argument("--backends", nargs="+", default=["ring", "mpi"])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--backends", nargs="+", default=["mpi", "ring", "mlx-mpi"])
+    p.add_argument("--rates", nargs="+", default=["100mbit", "200mbit", "1gbit"])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--worker", action="store_true")
     args = p.parse_args()
     if args.worker:
-        return worker(args.rounds)
+        return worker(args.steps, args.rounds)
+
     from hosts import made_hosts
 
+    head = " | ".join(f"{m} s" for m in METHODS[2:])
+    print(
+        f"| link | backend | compute s | reduction s | {head} | "
+        + " | ".join(f"{m} / max" for m in METHODS[2:])
+        + " |"
+    )
+    print("| --- | --- |" + " ---: |" * (2 + 2 * len(METHODS[2:])))
     with made_hosts() as hosts:
-        hosts.shape(args.rate)
-        for backend in args.backends:
-            argv = ["python", __file__, "--worker", "--rounds", str(args.rounds)]
-            done = subprocess.run(
-                hosts.launcher(backend, argv), cwd=ROOT, capture_output=True, text=True, timeout=900
-            )
-            lines = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line]
-            print(
-                f"{backend}, {args.rate}: "
-                + (lines[0] if lines else f"failed:\n{done.stdout}\n{done.stderr}")
-            )
+        for rate in args.rates:
+            hosts.shape(rate)
+            for backend in args.backends:
+                argv = [
+                    "python",
+                    __file__,
+                    "--worker",
+                    "--steps",
+                    str(args.steps),
+                    "--rounds",
+                    str(args.rounds),
+                ]
+                done = subprocess.run(
+                    hosts.launcher(backend, argv), cwd=ROOT, capture_output=True, text=True, timeout=900
+                )
+                found = [
+                    line.split("RESULT ", 1)[1] for line in done.stdout.splitlines() if "RESULT " in line
+                ]
+                if not found:
+                    print(
+                        f"| {rate} | {backend} | failed: {done.stdout[-2000:]} {done.stderr[-2000:]} |",
+                        flush=True,
+                    )
+                    continue
+                t = json.loads(found[0])
+                most = max(t["compute"], t["reduction"])
+                times = " | ".join(f"{t[m]:.3f}" for m in METHODS)
+                ratios = " | ".join(f"{t[m] / most:.2f}" for m in METHODS[2:])
+                print(f"| {rate} | {backend} | {times} | {ratios} |", flush=True)
 
 
 if __name__ == "__main__":

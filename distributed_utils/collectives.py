@@ -131,42 +131,60 @@ def allreduce_arrays(backend, arrays: list, op, scale=1.0, in_place=False, what=
     return _door(backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), *details)
 
 
-def start_sum(backend, arrays: list, scale: float = 1.0) -> list:
-    """Collective: start the sum across ranks of each of ``arrays`` (handed over) times ``scale``
-    (the MLX backends: on a stream of their own); ``finish``, or any other collective, waits for it."""
-    global _in_flight
-    primitive = lambda a: backend.start_sum(a, scale)  # noqa: E731
-    _in_flight = _door(backend, "start_sum", arrays, primitive, *_shown("sum", scale), wait=False)
-    return _in_flight
+def start_sum(backend, arrays: list, scale: float = 1.0, in_place=False) -> "Started":
+    """Collective: start the sum across ranks of each of ``arrays`` times ``scale`` on the backend's
+    communication stream (MLX) or thread (MPI), while this rank computes on (``in_place``: the arrays are
+    handed over, and no computation to come reads their memory). Several may be in flight: they travel in
+    the order started. ``Started.wait()`` gives the sums; any other collective waits for every sum in flight
+    first (one thread drives a transport at a time)."""
+
+    def begin(a):
+        return backend.start_sum(a, scale, in_place)
+
+    return _door(backend, "start_sum", arrays, begin, *_shown("sum", scale), start=True)
 
 
-def finish(arrays: list) -> list:
-    """``arrays``, evaluated: if they are the results of the ``start_sum`` in flight, watched."""
-    global _in_flight
-    if arrays is _in_flight:
-        _in_flight = None
-        with watchdog.watch("the end of a start_sum collective started before"):
-            evaluate(arrays)
-    return arrays
+class Started:
+    """A ``start_sum`` in flight: ``wait()`` gives its sums, watched (and those started before it)."""
+
+    def __init__(self, text: str, done):
+        self.text, self.done, self.results = text, done, None
+
+    def wait(self) -> list:
+        while self.results is None:
+            first = _in_flight.pop(0)
+            with watchdog.watch(f"the end of collective {first.text}"):
+                try:
+                    first.results = first.done()
+                except RuntimeError as e:  # (MLX's and mpi4py's: as the door names them)
+                    _in_flight.clear()  # (the transport failed: nothing else in flight arrives)
+                    raise RuntimeError(f"collective {first.text} failed in the transport: {e}") from e
+        return self.results
 
 
-_in_flight = None  # the results of the start_sum not yet waited for (the transport carries one at a time)
+_in_flight = []  # the start_sum collectives not yet waited for, in the order they were started
 
 
-def _door(backend, what, arrays, primitive, *details, wait=True):
+def _door(backend, what, arrays, primitive, *details, start=False):
     """The one door: ``primitive(arrays)`` as one watched collective, its inputs evaluated before the
-    clock starts, its result inside (unless ``wait=False``), after the debug check; a transport's error
-    names the rank and the collective. While MLX traces a function, nothing is evaluated or checked."""
-    if _in_flight is not None:  # a start_sum not yet waited for: the transport carries one at a time
-        finish(_in_flight)
+    clock starts, its result inside, after the debug check; a transport's error names the rank and the
+    collective. ``start``: ``primitive`` starts it and returns the function that waits for it (``Started``).
+    While MLX traces a function, nothing is evaluated or checked."""
+    if _in_flight and not start:  # (a start_sum travels behind those started before it)
+        _in_flight[-1].wait()
     tracing = not evaluate(arrays)
     with watchdog.Collective(backend.rank, what, details, arrays) as call:
         if call is not None and call.debug and backend.size > 1 and not tracing:  # (its gathers: nested)
+            if _in_flight:  # (the check's collectives run on this thread: none beside a start_sum)
+                _in_flight[-1].wait()
             differ = "ranks issued different collectives (DU_DEBUG)"
             check_same(backend, differ, {"collective": call.text()}, CollectiveMismatchError)
         try:
             out = primitive(arrays)
-            if wait:
+            if start:
+                out = Started(what if call is None else call.text(limit=3), out)
+                _in_flight.append(out)
+            else:
                 evaluate(out)
         except RuntimeError as e:  # MLX's and mpi4py's
             if call is None or isinstance(e, CollectiveMismatchError):  # (nested: the outermost names it)

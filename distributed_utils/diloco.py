@@ -185,7 +185,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         """Collective: start averaging fragment ``f``'s pseudo-gradient (global minus local)."""
         pseudo = {k: self._global[k] - local[k] for k in keys}
         w = None if self._weights is None else self._weights[f]
-        self._started[f] = self.reduction.reduce(pseudo, weight=w, start=self.delay > 0, what="DiLoCo's sync")
+        self._started[f] = self.reduction.reduce(pseudo, weight=w, what="DiLoCo's sync")
         if self._weights is not None:
             self._weights[f] = mx.array(0.0)
 

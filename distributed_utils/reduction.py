@@ -20,9 +20,10 @@ import functools
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .arrays import NARROW_FLOATS, dtype_name, evaluate
-from .collectives import allgather, allreduce_arrays, average_factor, finish, reduce_scatter_sum, start_sum
+from .collectives import allgather, average_factor, reduce_scatter_sum, start_sum
 from .tree import buckets, describe, floating_leaves, pack, replace_arrays, unpack, verify_same_structure
 
 
@@ -41,10 +42,14 @@ def reduce_gradients(
     - ``verify``: first check, in one 32-byte allgather, that every rank passes the same tree
       and weighting (not while MLX traces), else ``TreeMismatchError`` on every rank.
 
-    On MPIBackend, arrays that can be (evaluated, contiguous, not sharing memory) are reduced
-    in their own memory and hold the result. In a world of one they come back as they are."""
+    The arrays of ``gradients`` keep their values (the sums go into memory of their own: the backward pass
+    may still read a gradient's memory). In a world of one they come back as they are."""
     reduction = Reduction(backend, op, compression, bucket_bytes)
     return reduction.reduce(gradients, scale=scale, weight=weight, verify=verify).wait()
+
+
+#: An all-reduce's tree travels in at least this many buckets (of at least MIN_BUCKET_BYTES each).
+OVERLAP_BUCKETS, MIN_BUCKET_BYTES = 4, 2**20
 
 
 class Reduction:
@@ -62,16 +67,18 @@ class Reduction:
         self.compression = getattr(mx, name) if name in ("bfloat16", "float16") else name
         if self.compression == "int8" and backend.size > 127:
             raise ValueError(f"int8 compression sums at most 127 ranks' levels; this job has {backend.size}")
-        self.bucket_bytes = backend.bucket_bytes if bucket_bytes is None else bucket_bytes
+        self.bucket_bytes = bucket_bytes  # (None: decided per tree, ``_bucket_limit``)
 
     def settings(self) -> dict:
         """What every rank's reduction must agree on."""
         return dict(op=self.op, compression=self.compression, bucket_bytes=self.bucket_bytes)
 
-    def reduce(self, tree, *, scale=1.0, weight=None, start=False, scatter=False, verify=True, what=None):
+    def reduce(self, tree, *, scale=1.0, weight=None, scatter=False, verify=True, what=None):
         """Collective: ``tree``'s floating mx.arrays reduced (``Pending.wait()`` gives them). ``weight``: this
-        rank's; ``start``: the sums travel while this rank computes (MLX backends); ``scatter``: 1-d leaves of
-        lengths N divides, each back as this rank's part (a reduce-scatter)."""
+        rank's; ``scatter``: 1-d leaves of lengths N divides, each back as this rank's part (a reduce-scatter).
+        An all-reduce's buckets start one by one, the last leaves' first (a backward pass computes them first),
+        each as soon as its leaves are computed, and travel while this rank computes the rest (``start_sum``):
+        the tree is never evaluated whole before the first bucket leaves."""
         what, weight = what or "reduce_gradients(grads)", None if weight is None else as_weight(weight)
         arrays = [g for _, g in self.check(tree, weight, what, verify, scale)]
         if self.backend.size == 1 and weight is None:  # (a reduce-scatter's one part is the whole)
@@ -92,17 +99,17 @@ class Reduction:
             units = self._units(arrays, share)
             sent = [_scaled(g, share / unit, self._wire(g)) for g, unit in zip(arrays, units)]
             transport_scale = 1.0
-        groups = [[i] for i in range(len(sent))] if scatter else buckets(sent, self.bucket_bytes)
-        packed = [pack(sent, group) for group in groups]
-        if scatter:
-            sums = [reduce_scatter_sum(self.backend, flat, transport_scale) for flat in packed]
-        elif start:
-            sums = start_sum(self.backend, packed, transport_scale)
-        else:  # in place: the packer's copies, or the caller's own arrays (as documented)
-            sums = allreduce_arrays(self.backend, packed, "sum", transport_scale, in_place=True)
+        if scatter:  # (each array its own: this rank's part of it)
+            scattered = [reduce_scatter_sum(self.backend, flat, transport_scale) for flat in sent]
+        else:  # each bucket's sum starts once its gradients are computed, while the rest compute
+            groups = buckets(sent, self._bucket_limit(sent))
+            started = [start_sum(self.backend, [pack(sent, g)], transport_scale, len(g) > 1) for g in groups]
 
-        def reduced():  # (a reduce-scatter's groups are its arrays, in order)
-            out = finish(sums) if scatter else unpack(finish(sums), sent, groups)
+        def reduced():  # (in place: the packer's copies alone; a lone array's memory MLX may read on)
+            if scatter:
+                out = scattered
+            else:
+                out = unpack([s.wait()[0] for s in started], sent, groups)
             if units is not None:
                 out = [_scaled(piece, unit * scale, g.dtype) for piece, unit, g in zip(out, units, arrays)]
             return replace_arrays(tree, out)
@@ -114,7 +121,9 @@ class Reduction:
         rank passes the same tree, weighted and reduced alike (``verify``; else ``TreeMismatchError``)."""
         if weight is not None and self.op != "avg":
             raise ValueError(f"{what}: weight= gives a weighted mean, so op must be 'avg', not {self.op!r}")
-        if verify and self.backend.size > 1 and evaluate(tree):  # (not while MLX traces)
+        # the leaf that travels first alone is evaluated to tell whether MLX traces (then nothing is checked)
+        last = [a for _, a in tree_flatten(tree) if isinstance(a, mx.array)][-1:]
+        if verify and self.backend.size > 1 and evaluate(last):
             how = ", ".join(f"{k}={v}" for k, v in {**self.settings(), "scale": scale}.items())
             weighted = [("(weight)", "weighted")] if weight is not None else []
             verify_same_structure(self.backend, describe(tree) + weighted + [("(reduction)", how)], what)
@@ -132,6 +141,15 @@ class Reduction:
                     f"passed {[weights[r].item() for r in bad]} (nan: no number, or an array of another shape)"
                 )
         return weight * inverse(weights.sum())
+
+    def _bucket_limit(self, arrays) -> int:
+        """The bytes a bucket holds at most: ``bucket_bytes``, else a ``1 / OVERLAP_BUCKETS`` of the tree (so
+        that all but the last bucket travel while the backward pass computes), at least ``MIN_BUCKET_BYTES``
+        and at most the backend's ``bucket_bytes`` (MPI's 64 KiB; MLX's 32 MiB: each collective costs)."""
+        if self.bucket_bytes is not None:
+            return self.bucket_bytes
+        share = sum(a.nbytes for a in arrays) // OVERLAP_BUCKETS
+        return min(self.backend.bucket_bytes, max(MIN_BUCKET_BYTES, share))
 
     def _units(self, arrays, share):
         """Per array, the worth of one unit on the wire: 1, or int8's (from one allgather)."""

@@ -32,10 +32,12 @@ def replace_arrays(tree, arrays):
 
 
 def buckets(arrays, limit: int) -> list:
-    """The indices of ``arrays`` grouped for packing: arrays of one dtype in order, up to ``limit``
-    bytes a bucket; an array of ``limit`` bytes or more travels alone (0: every array), and first."""
+    """The indices of ``arrays`` grouped for packing, from the last array to the first (a backward pass
+    computes the last layers' gradients first): arrays of one dtype, up to ``limit`` bytes a bucket; an array
+    of ``limit`` bytes or more alone (0: every array). A bucket goes in the order of its first array."""
     groups, filling = [], {}  # filling: the bucket being filled, and its bytes, by dtype
-    for i, a in enumerate(arrays):
+    for i in reversed(range(len(arrays))):
+        a = arrays[i]
         bucket, nbytes = filling.pop(a.dtype, (None, 0))
         if bucket is None or nbytes + a.nbytes > limit or a.nbytes >= limit:
             bucket, nbytes = [], 0
@@ -43,7 +45,7 @@ def buckets(arrays, limit: int) -> list:
         bucket.append(i)
         if a.nbytes < limit:  # (else it travels alone: the next of its dtype starts a bucket)
             filling[a.dtype] = (bucket, nbytes + a.nbytes)
-    return sorted(groups, key=len)  # (measured on the ring: 5% faster than the tree's order)
+    return groups
 
 
 def pack(arrays, bucket) -> mx.array:

@@ -49,10 +49,13 @@ class AbstractBackend(abc.ABC):
     def barrier(self):
         """Returns on each rank once every rank has called it."""
 
-    def start_sum(self, arrays: list, scale: float = 1.0) -> list:
-        """Start the sum over all ranks of each of ``arrays`` (handed over) times ``scale``;
-        results may stay unevaluated while the rank computes. Here: ``allreduce``, now."""
-        return self.allreduce(arrays, "sum", scale, in_place=True)
+    def start_sum(self, arrays: list, scale: float = 1.0, in_place: bool = False):
+        """Start the sum over all ranks of each of ``arrays`` times ``scale``, to travel while the rank
+        computes, after the sums started before it; returns the function that waits for the sums and gives
+        them. ``in_place``: the arrays are handed over (MLX no longer reads their memory: not a gradient
+        whose memory a computation still to come may read). Here: ``allreduce``, now."""
+        out = self.allreduce(arrays, "sum", scale, in_place)
+        return lambda: out
 
     def reduce_scatter(self, x, scale: float = 1.0):
         """Rank r's part ``r * c .. (r + 1) * c - 1`` of the sum of every rank's 1-d ``x`` times

@@ -1,6 +1,7 @@
 """MPIBackend: collectives through mpi4py on host buffers (Open MPI from the pip wheel by default)."""
 
 import contextlib
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +37,8 @@ class MPIBackend(AbstractBackend):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
         self._traced = None  # the MLXMPIBackend that runs the collectives of traced functions
+        self._sending = None  # the thread of the last start_sum, while in flight
+        self._taken = []  # the spans of memory the start_sums in flight reduce in
 
     def _while_tracing(self, arrays):
         """None when ``arrays`` can be evaluated, else (MLX traces) MLX's MPI backend on these processes."""
@@ -58,33 +61,62 @@ class MPIBackend(AbstractBackend):
         return self._traced
 
     def allreduce(self, arrays, op, scale=1.0, in_place=False):
-        if traced := self._while_tracing(arrays):
+        traced = self._while_tracing(arrays)
+        if traced is not None:
             return traced.allreduce(arrays, op, scale)
-        # Decide (and copy) everything before overwriting anything: arrays may share memory.
-        # Only the copying depends on this rank; the MPI calls depend on dtypes and sizes alone.
-        work, views, taken = [], [], [] if len(arrays) > 1 else None
-        for a in arrays:
-            if isinstance(a, np.ndarray):  # (host_buffers) reduced in a, handed over, or in a C-ordered copy
-                wide = np.float32 if a.dtype == np.float16 else a.dtype
-                mine = in_place and a.flags.c_contiguous and a.flags.writeable and wide == a.dtype
-                w = view = a if mine else np.array(a, wide, order="C")
+        work, views = _buffers(arrays, in_place)
+        self._reduce_in_place(views, op, scale)
+        return [_like(w, a) for w, a in zip(work, arrays)]
+
+    def start_sum(self, arrays, scale=1.0, in_place=False):
+        # The MPI calls on a thread of their own (numpy's memory: no MLX there) while this rank computes; a
+        # thread a call, each after the one before it (collectives go in the same order on every rank).
+        traced = self._while_tracing(arrays)
+        if traced is not None:
+            return traced.start_sum(arrays, scale)
+        given = arrays
+        if not in_place:  # scaled by MLX into memory of its own: MLX may still read the arrays' memory (a
+            arrays, scale = [widened(a) * scale for a in arrays], 1.0  # view of it) for what it computes next
+            mx.eval(arrays)
+        if self._sending is None:  # none in flight: the memory they reduce in is theirs again
+            self._taken = []
+        work, views = _buffers(arrays, True, self._taken)  # (not the memory of a sum in flight)
+        before, error = self._sending, []
+
+        def send():
+            if before is not None:
+                before.join()
+            if before is None or not before.error:
+                try:
+                    self._reduce_in_place(views, "sum", scale)
+                except BaseException as e:  # (raised where the sums are waited for)
+                    error.append(e)
             else:
-                w = widened(a)  # (no MPI type: reduced in float32, rounded once)
-                view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
-                if view is None and w.size and w.nbytes <= SMALL_BYTES:  # a small copy: numpy's (_received)
-                    w = view = np.array(w, order="C")  # (evaluated, of a dtype numpy has: not narrow)
-                elif view is None and w.size:  # a copy to reduce in
-                    w = to_mx(contiguous_numpy(w))
-                    view = own_memory(w)
-            work.append(w)
-            views.append(view)
+                error.append(RuntimeError("an earlier sum in flight failed"))
+
+        thread = threading.Thread(target=send, name="du-mpi-sum", daemon=True)  # (never blocks the exit)
+        thread.error = error
+        thread.start()
+        self._sending = thread
+
+        def done():
+            thread.join()
+            if self._sending is thread:
+                self._sending = None
+            if error:
+                raise error[0]
+            return [_like(w, a) for w, a in zip(work, given)]
+
+        return done
+
+    def _reduce_in_place(self, views, op, scale):
+        """The MPI calls of an all-reduce of ``views`` (numpy, or None: nothing to send) in their own memory."""
         for flat in [view.reshape(-1) for view in views if view is not None]:
             for start in range(0, flat.size, PIECE_BYTES // flat.itemsize):
                 piece = flat[start : start + PIECE_BYTES // flat.itemsize]
                 if scale != 1.0:  # before its sum, as on MLX's backends, while in the cache
                     np.multiply(piece, scale, out=piece, casting="unsafe")
                 self.comm.Allreduce(self._MPI.IN_PLACE, piece, op=self._ops[op])
-        return [_like(w, a) for w, a in zip(work, arrays)]
 
     def bcast(self, x, root):
         if traced := self._while_tracing([x]):
@@ -117,6 +149,33 @@ class MPIBackend(AbstractBackend):
 
     def split(self, color):
         return MPIBackend(self.comm.Split(color, self.rank))
+
+
+def _buffers(arrays, in_place, taken=None):
+    """What an all-reduce of ``arrays`` reduces in (``work``, as returned) and the numpy views of it that MPI
+    writes (None: nothing to send); ``in_place``: the arrays are handed over; ``taken``: the spans of memory
+    that other sums in flight reduce in."""
+    # Decide (and copy) everything before overwriting anything: arrays may share memory.
+    # Only the copying depends on this rank; the MPI calls depend on dtypes and sizes alone.
+    if taken is None and len(arrays) > 1:
+        taken = []
+    work, views = [], []
+    for a in arrays:
+        if isinstance(a, np.ndarray):  # (host_buffers) reduced in a, handed over, or in a C-ordered copy
+            wide = np.float32 if a.dtype == np.float16 else a.dtype
+            mine = in_place and a.flags.c_contiguous and a.flags.writeable and wide == a.dtype
+            w = view = a if mine else np.array(a, wide, order="C")
+        else:
+            w = widened(a)  # (no MPI type: reduced in float32, rounded once)
+            view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
+            if view is None and w.size and w.nbytes <= SMALL_BYTES:  # a small copy: numpy's (_received)
+                w = view = np.array(w, order="C")  # (evaluated, of a dtype numpy has: not narrow)
+            elif view is None and w.size:  # a copy to reduce in
+                w = to_mx(contiguous_numpy(w))
+                view = own_memory(w)
+        work.append(w)
+        views.append(view)
+    return work, views
 
 
 def _received(shape, dtype, mx_dtype, receive) -> mx.array:
