@@ -176,7 +176,7 @@ CORRUPT = [
     ("metadata missing", _meta(lambda m: m.pop("world_size")), DAMAGED),
     ("the key order", _entry("keys", lambda keys: keys[::-1]), DAMAGED),
     ("the float64 list", _entry("float64", lambda keys: keys + ["model.bias"]), DAMAGED),
-    ("the checksum map", _entry("crc32", lambda crcs: {**crcs, "rng": crcs["rng"] ^ 1}), DAMAGED),
+    ("the checksum map", _entry("crc32", lambda crcs: {**crcs, "rng": [crcs["rng"][0] ^ 1]}), DAMAGED),
     ("an array's shape", lambda h: h["optimizer.weight.m"].__setitem__("shape", [16, 64]), DAMAGED),
     ("an array's name", lambda h: h.__setitem__("model.bias2", h.pop("model.bias")), DAMAGED),
 ]
