@@ -1,7 +1,9 @@
 """Backends on MLX's own ``mx.distributed``: ring (TCP), MPI, NCCL (CUDA) and JACCL (RDMA).
 
-Collectives are lazy graph nodes on the CPU stream (NCCL's on the GPU: on a Mac, macOS's GPU
-watchdog can kill a GPU stream that waits on the network). Broadcast is an integer all_sum of
+Collectives are lazy graph nodes on a communication stream of the group's own, on the CPU (NCCL's on
+the GPU: on a Mac, macOS's GPU watchdog can kill a GPU stream that waits on the network): one thread
+drives the group's sockets, and the rank's computation on the default stream goes on meanwhile.
+Broadcast is an integer all_sum of
 root's bits (exact for NaN payloads and -0.0); prod gathers and multiplies."""
 
 import contextlib
@@ -22,8 +24,8 @@ class MLXBackend(AbstractBackend):
 
     mlx_name = ""  # the name mx.distributed.init takes
     requires = ""  # what the transport needs, for the error when it is missing
-    stream = mx.cpu  # where collectives wait (NCCL's run on the GPU)
-    side = None  # start_sum's stream, made at its first use
+    device = mx.cpu  # where collectives wait (NCCL's run on the GPU)
+    _comm = None  # the group's communication stream, made at its first use
 
     def __init__(self):
         cls = type(self).__name__
@@ -51,22 +53,24 @@ class MLXBackend(AbstractBackend):
     def allreduce(self, arrays, op, scale=1.0, in_place=False):
         # Scaling before the sum costs nothing extra: all_sum copies an input it cannot
         # overwrite, and the scaling is that copy. (MLX reuses temporaries by itself.)
-        return [self._reduce(a, op, scale, self.stream) for a in arrays]
+        return [self._reduce(a, op, scale) for a in arrays]
 
-    def _reduce(self, a, op, scale, stream):
+    def stream(self):
+        """The group's communication stream (collectives started one after another travel in that order)."""
+        if self._comm is None:
+            self._comm = mx.new_stream(self.device or mx.default_device())
+        return self._comm
+
+    def _reduce(self, a, op, scale):
         a = a * scale if scale != 1.0 else a  # a Python float keeps a's dtype
         if a.size == 0:
             return a
         if op == "prod":
             return mx.prod(self.allgather(a[None]), axis=0).astype(a.dtype)
-        return _REDUCE[op](a, group=self.group, stream=stream)
+        return _REDUCE[op](a, group=self.group, stream=self.stream())
 
     def start_sum(self, arrays, scale=1.0, in_place=False):
-        # On a stream of its own (one per group: one thread drives its sockets), so that the rank's work on
-        # the default stream goes on meanwhile; sums started one after another travel in that order.
-        if self.side is None:
-            self.side = mx.new_stream(self.stream or mx.default_device())
-        out = [self._reduce(a, "sum", scale, self.side) for a in arrays]
+        out = [self._reduce(a, "sum", scale) for a in arrays]
         with contextlib.suppress(ValueError):  # (while MLX traces: the sums are nodes of its graph)
             mx.async_eval(out)
 
@@ -82,7 +86,7 @@ class MLXBackend(AbstractBackend):
         # receiving first, so that no two ranks wait on each other; while MLX traces, the all-reduce's part.
         x = x * scale if scale != 1.0 else x  # (before the sum, as allreduce: no sum overflows)
         if self.mlx_name in ("nccl", "jaccl"):
-            return mx.distributed.sum_scatter(x, group=self.group, stream=self.stream)
+            return mx.distributed.sum_scatter(x, group=self.group, stream=self.stream())
         if self.size == 1 or not evaluate(x):
             return super().reduce_scatter(x)
         n, r, c = self.size, self.rank, x.shape[0] // self.size
@@ -92,8 +96,8 @@ class MLXBackend(AbstractBackend):
 
         total = part(r - 1)
         for step in range(n - 1):  # send the running sum of part r - step - 1 right, add part r - step - 2
-            sent = mx.distributed.send(total, (r + 1) % n, group=self.group, stream=self.stream)
-            got = mx.distributed.recv_like(total, (r - 1) % n, group=self.group, stream=self.stream)
+            sent = mx.distributed.send(total, (r + 1) % n, group=self.group, stream=self.stream())
+            got = mx.distributed.recv_like(total, (r - 1) % n, group=self.group, stream=self.stream())
             for first in (got, sent) if r % 2 else (sent, got):
                 mx.eval(first)
             total = got + part(r - step - 2)
@@ -102,15 +106,15 @@ class MLXBackend(AbstractBackend):
     def bcast(self, x, root):
         bits = x.view(UINT_BY_SIZE[x.dtype.size])
         mine = bits if self.rank == root else mx.zeros_like(bits)
-        return mx.distributed.all_sum(mine, group=self.group, stream=self.stream).view(x.dtype)
+        return mx.distributed.all_sum(mine, group=self.group, stream=self.stream()).view(x.dtype)
 
     def allgather(self, x):
         if x.size == 0:
             return mx.zeros((x.shape[0] * self.size,) + x.shape[1:], x.dtype)
-        return mx.distributed.all_gather(x, group=self.group, stream=self.stream)
+        return mx.distributed.all_gather(x, group=self.group, stream=self.stream())
 
     def barrier(self):
-        mx.eval(mx.distributed.all_sum(mx.zeros((1,), mx.int32), group=self.group, stream=self.stream))
+        mx.eval(mx.distributed.all_sum(mx.zeros((1,), mx.int32), group=self.group, stream=self.stream()))
 
     def split(self, color):
         try:
@@ -142,7 +146,7 @@ class NCCLBackend(MLXBackend):
     """MLX's NCCL backend for NVIDIA GPUs (the CUDA build of MLX)."""
 
     mlx_name, launch_name, native_reduce_scatter = "nccl", "nccl", True
-    stream = None
+    device = None
     requires = "it needs the CUDA build of MLX (`pip install mlx[cuda]`) and NVIDIA GPUs"
 
     def prepare(self):  # (NCCL says why it refuses a start, such as two ranks on one GPU, only when asked)
