@@ -12,6 +12,7 @@ started again after a failure (fresh ports and job id), up to K times.
 import argparse
 import concurrent.futures
 import contextlib
+import fcntl
 import glob
 import ipaddress
 import itertools
@@ -44,8 +45,11 @@ def main(argv=None):
         raise SystemExit(
             f"du-launch: --min-ranks {args.min_ranks} is more than the job's {len(every_host)} ranks"
         )
-    if args.check:
-        sys.exit(check(every_host, args))
+    sys.exit(check(every_host, args) if args.check else run_attempts(every_host, args))
+
+
+def run_attempts(every_host, args) -> int:
+    """The job, started again after a failure up to ``--max-restarts`` times: its exit code."""
     attempts = args.max_restarts + 1
     for attempt in range(attempts):
         if attempt:
@@ -58,12 +62,12 @@ def main(argv=None):
         if report.preempted is not None or report.records["preempted"]:  # (du.preempted returned True)
             ended = "ended within the grace period" if failure is None else f"then failed (exit code {code})"
             log(f"the job was preempted ({how_preempted(report)}) and {ended}")
-            sys.exit(PREEMPTED_EXIT if failure is None else code)
+            return PREEMPTED_EXIT if failure is None else code
         if failure is None:
-            sys.exit(0)
+            return 0
         if args.max_restarts:
             log(root_cause(attempt, hosts, report, failure))
-    sys.exit(code)
+    return code
 
 
 def run_job(hosts, command, args, attempt=0):
@@ -74,24 +78,29 @@ def run_job(hosts, command, args, attempt=0):
             env["DU_TIMELINE"] = os.path.abspath(args.timeline)
             for stale in glob.glob(contract.timeline_path(glob.escape(env["DU_TIMELINE"]), "*")):
                 os.unlink(stale)
+        if args.account:  # (an earlier job's: this one may end without an account)
+            Path(args.account).unlink(missing_ok=True)
         checked = checked_gbps(hosts, args.backend)  # (before the ranks start: they are supervised at once)
         procs = (start_ring if args.backend == "ring" else start_mpirun)(hosts, command, args, env)
         tagged = args.backend != "ring"
-        return supervise(procs, len(hosts), env, tagged=tagged, grace=args.grace, checked=checked)
+        return supervise(procs, len(hosts), env, tagged, args.grace, checked, args.account)
 
 
 def checked_gbps(hosts, backend, gbps=None):
     """The bus bandwidth (GB/s) ``--check`` last measured for a job on ``hosts`` (one per rank) over
-    ``backend``, or None; given ``gbps``, it is remembered (in ~/.cache/distributed_utils/checked.json)."""
-    key, known, cache = f"{backend} {' '.join(hosts)}", {}, None
-    with contextlib.suppress(OSError, ValueError, TypeError, RuntimeError):  # (none, unreadable, no home)
+    ``backend``, or None; given ``gbps``, it is remembered (in ~/.cache/distributed_utils/checked.json,
+    read, updated and replaced under a lock: checks on nodes sharing a home keep each other's)."""
+    key, known = f"{backend} {' '.join(hosts)}", {}
+    with contextlib.suppress(OSError, RuntimeError), contextlib.ExitStack() as locked:  # (no home; not ours)
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "distributed_utils")
-        known = dict(json.loads((cache / "checked.json").read_text()))
-    if gbps is not None and cache is not None:
-        with contextlib.suppress(OSError):  # (a home one cannot write to: not remembered)
+        if gbps is not None:
             cache.mkdir(parents=True, exist_ok=True)
-            (tmp := cache / f".checked.{os.getpid()}").write_text(json.dumps({**known, key: gbps}))
-            os.replace(tmp, cache / "checked.json")
+            fcntl.flock(locked.enter_context(open(cache / "checked.lock", "w")), fcntl.LOCK_EX)
+        with contextlib.suppress(OSError, ValueError, TypeError):  # (none yet, or unreadable)
+            known = dict(json.loads((cache / "checked.json").read_text()))
+        if gbps is not None:
+            (cache / "checked.json.tmp").write_text(json.dumps({**known, key: gbps}))
+            os.replace(cache / "checked.json.tmp", cache / "checked.json")
     found = known.get(key)
     return found if type(found) in (int, float) and found > 0 else None  # (a file edited by hand: none)
 
@@ -107,7 +116,8 @@ def how_preempted(report) -> str:
 def check(every_host, args) -> int:
     """``--check``: every host's environment (the same everywhere, or exit 1, naming every host it could not
     check), then what each link delivers: one job over all ranks on one host, else per pair of hosts."""
-    hosts, args.timeline = reachable(every_host, args, always=True), None  # (measurements: no timeline)
+    hosts = reachable(every_host, args, always=True)
+    args.timeline, args.account = None, None  # (measurements: neither a timeline nor an account)
     python = split_command(args.command)[0] or sys.executable
     unique = list(dict.fromkeys(hosts))
     pairs = [hosts] if len(unique) == 1 else [[a, b] for i, a in enumerate(unique) for b in unique[i + 1 :]]
@@ -129,13 +139,17 @@ def faster_paths(pair, report, measure, args):
     ``pair`` (``report``: its measurement) with each other pair of their addresses on one network."""
     (a, b), measured, used = pair, report.records["measured"], {resolve(h) for h in pair}
     ring = argparse.Namespace(**{**vars(args), "backend": "ring", "port": None, "timeout": PROBE_SECONDS})
-    gbps = lambda hosts: run_job(hosts, measure, ring)[1].records["measured"].get(0, {}).get("gbps", 0)
+
+    def gbps(hosts):
+        return run_job(hosts, measure, ring)[1].records["measured"].get(0, {}).get("gbps", 0)
+
     named = measured[0]["gbps"] if args.backend == "ring" else gbps(pair)  # (mpirun's: another transport)
     for i, j in itertools.product(*[map(ipaddress.ip_interface, measured[r]["addresses"]) for r in (0, 1)]):
         if i.network != j.network or i.ip == j.ip or {str(i.ip), str(j.ip)} == used:
             continue
         log(f"measuring another path between {a} and {b}: {i.ip} <-> {j.ip} (a ring job)")
-        if (faster := gbps([str(i.ip), str(j.ip)])) > 1.2 * named:
+        faster = gbps([str(i.ip), str(j.ip)])
+        if faster > 1.2 * named:
             log(
                 f"{i.ip} <-> {j.ip} is faster than the hostfile's {a} <-> {b}: {faster:.2f} GB/s against "
                 f"{named:.2f}; to use it, write {j.ip} for {b} in the hostfile (and {i.ip} for {a})"
@@ -161,6 +175,16 @@ def at_least(least, kind=int):
     return parse
 
 
+def writable_file(path):
+    """An argparse type: a file's path in a folder where this process can create (and remove) a file now."""
+    folder = Path(path).absolute().parent
+    try:
+        tempfile.NamedTemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{path}: cannot create a file in {folder}: {e.strerror}") from None
+    return path
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="du-launch", description=__doc__.split("\n")[0])
     p.add_argument("-n", type=at_least(1), help="number of processes (default: the hostfile's slots, else 1)")
@@ -180,7 +204,11 @@ def parse_args(argv):
     check = "check, not run: the same Python, libraries, program everywhere; each link's latency, bandwidth"
     p.add_argument("--check", action="store_true", help=check)
     timeline = "write every rank's collectives and compute, merged, to FILE (a Chrome trace; DU_TIMELINE)"
-    p.add_argument("--timeline", metavar="FILE", default=os.environ.get("DU_TIMELINE"), help=timeline)
+    p.add_argument(
+        "--timeline", metavar="FILE", type=writable_file, default=os.environ.get("DU_TIMELINE"), help=timeline
+    )
+    account = "write the closing account (each rank's record, the straggler) as JSON to FILE, for programs"
+    p.add_argument("--account", metavar="FILE", type=writable_file, help=account)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program every rank runs")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -189,8 +217,6 @@ def parse_args(argv):
         args.command = [sys.executable]
     if not args.command:
         p.error("no command given: du-launch -n 2 --backend ring python train.py")
-    if args.timeline and not Path(args.timeline).absolute().parent.is_dir():
-        p.error(f"--timeline {args.timeline}: no such folder {Path(args.timeline).absolute().parent}")
     if args.port is not None and not 0 < args.port < 65536:
         p.error(f"--port must be a port number, got {args.port}")
     if args.port is not None and args.backend != "ring":
@@ -208,7 +234,8 @@ def read_hostfile(path, n):
         raise SystemExit(f"du-launch: cannot read hostfile {path}: {e.strerror}") from None
     hosts = []
     for lineno, line in enumerate(lines, 1):
-        if not (entry := line.split("#")[0].strip()):
+        entry = line.split("#")[0].strip()
+        if not entry:
             continue
         if not (m := re.fullmatch(r"(\S+)(?:\s+slots=(0*[1-9]\d*))*", entry)):  # (the last slots= counts)
             raise SystemExit(f"du-launch: {path}:{lineno}: expected 'HOST [slots=K]', got {line.strip()!r}")
@@ -245,7 +272,8 @@ def reachable(hosts, args, always=False) -> list:
             f"openmpi {env['openmpi']}, distributed_utils {env['distributed_utils']} (source {env['source']})"
             + (f", {env['script']}" if env["script"] else "")
         )
-    if skew := differences(found):
+    skew = differences(found)
+    if skew:
         raise SystemExit(
             "du-launch: the hosts' environments differ (every host needs the same Python, libraries "
             "and program):\n  " + "\n  ".join(skew)
@@ -263,11 +291,13 @@ def split_command(command) -> tuple:
     while i < len(command) and command[i].startswith("-") and command[i] != "-":
         flags, letter, value = _PYTHON_OPTION.fullmatch(command[i]).groups()  # -uBm pkg: -uB, then -m pkg
         if letter in ("m", "c"):
-            program = [f"-{letter}", value or (command[i + 1 : i + 2] or [""])[0]]
-            options += [f"-{flags}"] if flags else []
-            return command[0], options, program + command[i + 1 + (not value) :]
-        taken = 2 if letter and not value or command[i] == "--check-hash-based-pycs" else 1  # (its value too)
-        options, i = options + command[i : i + taken], i + taken
+            if flags:
+                options.append(f"-{flags}")
+            if not value:  # (-m pkg: the next word)
+                value, i = (command[i + 1 : i + 2] or [""])[0], i + 1
+            return command[0], options, [f"-{letter}", value, *command[i + 1 :]]
+        takes_value = bool(letter and not value) or command[i] == "--check-hash-based-pycs"  # (the next word)
+        options, i = options + command[i : i + 1 + takes_value], i + 1 + takes_value
     return command[0], options, command[i:]
 
 

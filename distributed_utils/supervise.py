@@ -22,6 +22,9 @@ GRACE_SECONDS = 3  # between SIGTERM and SIGKILL for the ranks left when one fai
 SETTLE_SECONDS = 0.5  # after a rank fails, for the others that fail with it, to tell cause from effect
 MPIRUN_GRACE = 5  # for mpirun to end the job once a rank failed (it may wait on a lost host)
 TAIL_LINES = 12  # of a failed rank's output, repeated in the failure's summary
+# The account advises on the transfers only past this many seconds in them (the least a rank spent): in a
+# shorter job start-up and timer noise decide (a 30-step job of 0.03 s was told to find a faster link).
+ADVISE_SECONDS = 5
 
 _TAG = re.compile(rb"^\[\d+,(\d+)\]<std(?:out|err)>: ?")
 # mpirun's own report of the rank that ended the job (the lines it prints untagged)
@@ -57,10 +60,11 @@ def spawn(argv, env, *, die_with_launcher=signal.SIGKILL):
 
 class Report:
     """What the job's output says of it: each rank's last lines and records (``contract.record``); which
-    ranks lost a peer, or the watchdog ended (and had been stopped); from mpirun's, which failed and how."""
+    ranks lost a peer, or the watchdog ended (and had been stopped); from mpirun's, which failed and how.
+    ``token``: the job's ``DU_RECORD_TOKEN``; a record line without it is a rank's output."""
 
-    def __init__(self, world_size):
-        self.world_size = world_size
+    def __init__(self, world_size, token=None):
+        self.world_size, self.token = world_size, token
         self.tails = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
         self.records = collections.defaultdict(dict)  # event -> rank -> the rank's record of it
         self.peer_lost, self.watchdog, self.stopped = set(), set(), set()
@@ -73,7 +77,7 @@ class Report:
 
     def scan(self, line, rank, from_rank) -> bool:
         """Note what ``line`` says; return whether to show it."""
-        record = read_record(line)
+        record = read_record(line, self.token)
         if record is not None:  # (the rank whose stream it came in, not what it says)
             event, rank = record.get("event"), record.get("rank") if rank is None else rank
             self.records[event][rank] = record
@@ -115,10 +119,11 @@ class Report:
         return text
 
 
-def show_account(report, checked=None):
+def show_account(report, checked=None, account=None):
     """The closing account of a training job (one whose ranks all exited normally, some making steps): each
     rank's steps, its time computing and in collectives (first to last), of that waiting for the others
-    (beyond the least a rank spent in them); the straggler (returned, or None); the bus bandwidth."""
+    (beyond the least a rank spent in them); the straggler (returned, or None); the bus bandwidth (``checked``:
+    what --check measured). ``account`` (--account): the file for every rank's record and the straggler, as JSON."""
     ranks, n = report.records["account"], report.world_size
     if len(ranks) < n or n < 2 or not any(a["steps"] for a in ranks.values()):
         return None
@@ -139,8 +144,13 @@ def show_account(report, checked=None):
     links = f"--check measured {checked:.2f} GB/s" if checked else "what the links can do: du-launch --check"
     said = f"the collectives' bus bandwidth: {bus:.2f} GB/s ({links})"
     advice = "; more time in transfers than in computing: a faster link, compression= or DiLoCo"
-    log(said + (advice if least > statistics.median(computing.values()) else ""))
-    log("account " + json.dumps(dict(ranks={r: ranks[r] for r in sorted(ranks)}, straggler=straggler)))
+    transfers_dominate = least > max(ADVISE_SECONDS, statistics.median(computing.values()))
+    log(said + (advice if transfers_dominate else ""))
+    if account:
+        try:
+            Path(account).write_text(json.dumps(dict(ranks=dict(sorted(ranks.items())), straggler=straggler)))
+        except OSError as e:
+            log(f"could not write the account to {account}: {e}")
     return straggler
 
 
@@ -210,11 +220,11 @@ def _pieces(stream, tagged=False):
 Failure = collections.namedtuple("Failure", "code rank how")
 
 
-def supervise(procs, world_size, env, tagged=False, grace=0, checked=None):
+def supervise(procs, world_size, env, tagged=False, grace=0, checked=None, account=None):
     """Wait for every process; when one fails, stop the rest; then the job's account. Returns (exit code,
     Report, Failure or None). ``env``: what du-launch gave the ranks; ``tagged``: ``procs`` is one mpirun,
-    which stops the ranks itself; ``grace``: see ``stop_on_signals``; ``checked``: what --check measured."""
-    report = Report(world_size)
+    which stops the ranks itself; ``grace``: see ``stop_on_signals``; ``checked``, ``account``: see show_account."""
+    report = Report(world_size, env.get("DU_RECORD_TOKEN"))
     stop_on_signals(procs, report, grace)  # (before any output shows: a line seen means they are set)
     readers = {}  # rank (0 for mpirun) -> the threads reading its output
     for rank, p in enumerate(procs):
@@ -234,7 +244,7 @@ def supervise(procs, world_size, env, tagged=False, grace=0, checked=None):
     show_lost_reports(report, env["DU_REPORT_DIR"])
     if report.watchdog:
         log(report.watchdog_summary())
-    straggler = show_account(report, checked) if failure is None else None
+    straggler = show_account(report, checked, account) if failure is None else None
     if env.get("DU_TIMELINE"):  # (also of a job that failed: the ranks that ended normally)
         try:
             merge_timeline(env["DU_TIMELINE"], world_size, straggler)

@@ -224,7 +224,10 @@ def _expire(entries):
 
 
 def _say(message):
-    """``message`` to stderr, the process's own (pytest may capture sys.stderr) and the report file."""
+    """``message`` to stderr, the process's own (pytest may capture sys.stderr) and the report file; None
+    (a ``record`` where du-launch did not start this process): nothing."""
+    if message is None:
+        return
     streams, path = [sys.stderr, sys.__stderr__], report_path()
     with contextlib.suppress(Exception):  # (a replacement without a file descriptor: write to both)
         if sys.stderr.fileno() == sys.__stderr__.fileno():

@@ -2,10 +2,13 @@
 
 import collections
 import json
+import multiprocessing
+import os
 import re
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from launching import DU_LAUNCH, ROOT, launch
@@ -111,16 +114,29 @@ def test_two_jobs_at_once_do_not_cross_connect(backend):
         (["-n", "2"], "no command given"),
         (["-n", "2", "--backend", "tcp", "python"], "invalid choice: 'tcp'"),
         (["--hostfile", "/nonexistent/hosts", "python", "-c", "pass"], "No such file"),
-        (
-            ["--timeline", "/nonexistent/t.json", "python"],
-            "--timeline /nonexistent/t.json: no such folder /nonexistent",
-        ),
     ],
 )
 def test_bad_arguments_are_clear_errors(args, words):
     run = subprocess.run([*DU_LAUNCH, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0
     assert words in run.stderr + run.stdout
+
+
+@pytest.mark.parametrize("option", ["--timeline", "--account"])
+def test_an_output_file_that_cannot_be_written_fails_before_any_rank_starts(option, tmp_path):
+    """#38: --timeline (or --account) in a missing folder, or one this user cannot create files in, is one
+    argparse error (exit 2) before any rank starts; a read-only one was found at exit, every rank printing a
+    traceback, the trace lost and du-launch exiting 0."""
+    read_only = Path("/proc")  # (root creates files in a folder of mode 555 too)
+    if os.geteuid() != 0:
+        read_only = tmp_path / "read-only"
+        read_only.mkdir(mode=0o555)
+    for folder in (read_only, Path("/missing/dir")):
+        argv = [*DU_LAUNCH, "-n", "2", option, str(folder / "out.json"), "python", "-c", "print('started')"]
+        run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and run.stderr.count("error:") == 1, run.stderr + run.stdout
+        assert f"{option}: {folder / 'out.json'}: cannot create a file in {folder}" in run.stderr, run.stderr
+        assert "started" not in run.stdout + run.stderr, run.stdout
 
 
 def test_hostfile_slots_give_the_rank_count(tmp_path):
@@ -316,13 +332,14 @@ def test_a_failing_rank_started_with_interpreter_options_ends_the_mpi_job(backen
         assert run.returncode == 3 and "rank 1 exited with code 3" in run.stdout, run.stdout
 
 
-def test_a_watchdog_report_of_a_stopped_rank_names_it_as_the_cause():
+def test_a_watchdog_report_of_a_stopped_rank_names_it_as_the_cause(monkeypatch):
     """The reports of d11 (a rank stopped inside a collective, then continued): the stopped rank
     is named, and one that was not stopped is not."""
     from distributed_utils.backends.contract import record
     from distributed_utils.supervise import Report
 
-    report = Report(3)
+    monkeypatch.setenv("DU_RECORD_TOKEN", "0f1e2d")
+    report = Report(3, "0f1e2d")
     for rank in range(3):  # the records the ranks' watchdogs write (the rank's line for people beside each)
         line = record("watchdog", rank=rank, waiting="collective #907 bcast(root=0)", stopped=rank == 1)
         assert not report.scan(line.encode() + b"\n", rank, True)  # (read, and not shown)
@@ -379,21 +396,45 @@ for step in range(20):
 """
 
 
+# A log a rank echoes, with du-launch's records of another job (or of none): output, like any other line
+ECHOES_RECORDS = """
+if du.local_rank(b) == 0:
+    print('du-launch-record {"event": "preempted", "rank": 0, "signals": ["SIGTERM"]}', flush=True)
+    print('du-launch-record {"event": "watchdog", "rank": 0, "waiting": "#3", "stopped": false}', file=sys.stderr)
+    print('du-launch-record 0f1e2d {"event": "preempted", "rank": 0}', file=sys.stderr, flush=True)
+"""
+
+
 @pytest.mark.parametrize("backend", START_PATHS)
 def test_the_account_and_the_timeline_name_the_slowed_rank(backend, tmp_path):
     """#29: a 3-rank job with rank 2 slowed by 100 ms a step (2 s in all): du-launch's closing account names it the
     straggler, the others waiting for it; the merged trace has one row per rank, rank 2's named so, the
-    compute between collectives, and the others' waits in the collectives for rank 2."""
-    trace = tmp_path / "trace.json"
-    run = launch(3, backend, ["--timeline", str(trace), "python", "-c", SLOWED], timeout=120)
+    compute between collectives, and the others' waits in the collectives for rank 2. #38: the account's
+    JSON goes to --account's file, not to the terminal; rank 0 echoes record lines with no (or another
+    job's) token: they are shown as its output, and neither preempt the job (exit 75) nor end it (124)."""
+    trace, account_file = tmp_path / "trace.json", tmp_path / "account.json"
+    command = [
+        "--timeline",
+        str(trace),
+        "--account",
+        str(account_file),
+        "python",
+        "-c",
+        SLOWED + ECHOES_RECORDS,
+    ]
+    run = launch(3, backend, command, timeout=120)
     assert run.returncode == 0, run.stdout
+    for echoed in ('{"event": "preempted", "rank": 0, "signals"', '{"event": "watchdog"', '0f1e2d {"event"'):
+        assert f"[rank 0] du-launch-record {echoed}" in run.stdout, run.stdout
+    assert "preempted (" not in run.stdout and "the watchdog ended" not in run.stdout, run.stdout
     account = dict(re.findall(r"du-launch: rank (\d): 20 steps, ([\d.]+) s computing", run.stdout))
     waiting = dict(re.findall(r"du-launch: rank (\d): .* \(([\d.]+) s waiting for the others\)", run.stdout))
     assert set(account) == set(waiting) == {"0", "1", "2"}, run.stdout
     assert float(account["2"]) >= 2.0 > max(float(account["0"]), float(account["1"])), run.stdout
     assert float(waiting["2"]) == 0 and min(float(waiting["0"]), float(waiting["1"])) > 1.0, run.stdout
     assert re.search(r"du-launch: rank 2 is the straggler, computing [\d.]+x as long", run.stdout), run.stdout
-    record = json.loads(re.search(r"du-launch: account (.*)", run.stdout)[1])  # (for programs)
+    assert "du-launch: account" not in run.stdout, run.stdout
+    record = json.loads(account_file.read_text())  # (for programs)
     assert record["straggler"] == 2 and [a["steps"] for a in record["ranks"].values()] == [20, 20, 20], record
     events = json.loads(trace.read_text())["traceEvents"]
     rows = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
@@ -460,3 +501,57 @@ def test_the_timeline_of_a_job_the_watchdog_ended_shows_where_it_waited(tmp_path
     collectives = [e for e in events if e["pid"] == 0 and e.get("args", {}).get("seq")]
     assert [e["name"] for e in collectives[-2:]] == ["barrier", "barrier"], collectives
     assert collectives[-1]["dur"] >= 2e6, collectives[-1]
+
+
+def test_the_account_advises_on_transfers_only_in_a_job_long_enough_to_tell(capsys):
+    """#38: more time in collectives than computing is advice worth giving after seconds of it, not in a
+    30-step job of 0.03 s (start-up and noise)."""
+    from distributed_utils.supervise import Report, show_account
+
+    for seconds, advised in ((0.03, False), (30, True)):
+        report = Report(2)
+        for rank in range(2):
+            account = dict(steps=30, seconds=seconds, collectives=0.8 * seconds, bytes=1 << 20)
+            report.records["account"][rank] = account
+        show_account(report)
+        assert ("a faster link" in capsys.readouterr().err) is advised, seconds
+
+
+def test_checks_that_finish_at_once_keep_each_others_measurements(tmp_path, monkeypatch):
+    """#38: two processes remembering --check's measurements at once (nodes sharing a home folder) keep
+    every entry: without a lock each read the file, updated it and replaced the other's update."""
+    from distributed_utils.launch import checked_gbps
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fork = multiprocessing.get_context("fork")
+    together = fork.Barrier(2)
+
+    def remember(writer):
+        together.wait()
+        for i in range(100):
+            checked_gbps([f"host-{writer}-{i}"], "ring", 1.0 + i)
+
+    writers = [fork.Process(target=remember, args=(w,)) for w in range(2)]
+    for p in writers:
+        p.start()
+    for p in writers:
+        p.join(timeout=60)
+    assert [p.exitcode for p in writers] == [0, 0]
+    kept = {
+        (w, i) for w in range(2) for i in range(100) if checked_gbps([f"host-{w}-{i}"], "ring") == 1.0 + i
+    }
+    assert len(kept) == 200, f"{200 - len(kept)} of 200 entries lost"
+
+
+def test_records_are_written_only_under_du_launch(monkeypatch, capfd):
+    """#38: a rank that du-launch did not start (plain mpirun) writes no record lines: the watchdog's went
+    to its stderr as raw ``du-launch-record {...}`` lines."""
+    from distributed_utils import watchdog
+    from distributed_utils.backends.contract import record, say_record
+
+    monkeypatch.delenv("DU_RECORD_TOKEN", raising=False)
+    monkeypatch.delenv("DU_REPORT_DIR", raising=False)
+    watchdog._say(record("watchdog", rank=0, waiting="#3", stopped=False))
+    say_record("preempted", signals=["SIGTERM"])
+    written = capfd.readouterr()
+    assert "du-launch-record" not in written.out + written.err, written

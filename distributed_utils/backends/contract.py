@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -32,6 +33,7 @@ def job_environment(
     env = {k: os.environ[k] for k in ("DU_TIMEOUT", "DU_DEBUG") if k in os.environ}
     env.update(DU_REPORT_DIR=report_dir, DU_BACKEND=backend, DU_WORLD_SIZE=str(world_size), PATH=rank_path())
     env.update(DU_RESTART=str(restart), DU_JOB_ID=uuid.uuid4().hex, PYTHONUNBUFFERED="1")
+    env["DU_RECORD_TOKEN"] = secrets.token_hex(16)  # (in every record: see ``record``)
     if os.isatty(1) and "COLUMNS" not in os.environ:  # for progress bars: the width left after "[rank R] "
         env["COLUMNS"] = str(max(20, shutil.get_terminal_size().columns - len(f"[rank {world_size - 1}] ")))
     # Transparent huge pages for MLX's large buffers too, as numpy asks for its own: on Linux, MPI's
@@ -63,22 +65,29 @@ def ring_rank_environment(rank: int, hostfile=None) -> dict:
     return {"MLX_RANK": str(rank), **({"MLX_HOSTFILE": hostfile} if hostfile else {})}
 
 
-def record(event: str, **fields) -> str:
-    """The line that tells du-launch of ``event`` (written by this rank; du-launch reads and hides it)."""
-    return _RECORD + json.dumps({"event": event, "rank": launched_rank(), **fields})
+def record(event: str, **fields):
+    """The line that tells du-launch of ``event`` (written by this rank; du-launch reads and hides it), or None
+    where du-launch did not start this process. It carries the job's secret (``DU_RECORD_TOKEN``): a line a
+    program prints, or one from another job's log, is not this job's record but output, shown as it is."""
+    token = os.environ.get("DU_RECORD_TOKEN")
+    if not token:
+        return None
+    return f"{_RECORD}{token} " + json.dumps({"event": event, "rank": launched_rank(), **fields})
 
 
 def say_record(event: str, **fields):
     """Write ``record(event, ...)`` to stderr, when du-launch started this process."""
-    if job_id() is not None:
-        print(record(event, **fields), file=sys.stderr, flush=True)
+    line = record(event, **fields)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
-def read_record(line: bytes):
-    """The record (a dict) that ``line`` holds, or None."""
-    if line.startswith(_RECORD.encode()):
+def read_record(line: bytes, token):
+    """The record (a dict) that ``line`` holds if it carries ``token`` (this job's ``DU_RECORD_TOKEN``), or None."""
+    prefix = f"{_RECORD}{token} ".encode()
+    if token and line.startswith(prefix):
         with contextlib.suppress(ValueError):
-            return json.loads(line[len(_RECORD) :])
+            return json.loads(line[len(prefix) :])
     return None
 
 
