@@ -439,7 +439,7 @@ def test_the_account_and_the_timeline_name_the_slowed_rank(backend, tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     rows = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert rows == {0: "rank 0", 1: "rank 1", 2: "rank 2 (the straggler)"}, rows
-    reductions = [e for e in events if e["name"] == "allreduce_arrays" and e["args"]["bytes"] == 64 * 65 * 4]
+    reductions = [e for e in events if e["name"] == "start_sum" and e["args"]["bytes"] == 64 * 65 * 4]
     assert {e["pid"] for e in reductions} == {0, 1, 2} and len(reductions) == 3 * 20
     waited = collections.Counter()  # (rank, for whom) -> ms
     for e in events:
