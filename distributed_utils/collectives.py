@@ -245,7 +245,7 @@ def _unpickled(payload: np.ndarray):
 def root_runs(backend, fn, root, error_type, doing: str):
     """Collective: ``fn()`` run on ``root`` alone, its (picklable) result returned on every
     rank; if it raises, every rank raises ``error_type`` naming root and what it was ``doing``."""
-    result = error = cause = None
+    result, error, cause = None, None, None
     if backend.rank == root:
         try:
             result = fn()

@@ -14,7 +14,10 @@ from .collectives import allreduce
 
 _received = []  # the signals this process received since the first preempted()
 _told = False  # whether du-launch was told (once)
-_mark = lambda signum, frame: _received.append(signum)  # noqa: E731
+
+
+def _mark(signum, frame):
+    _received.append(signum)
 
 
 def preempted(backend) -> bool:

@@ -68,8 +68,8 @@ class Report:
         self.tails = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
         self.records = collections.defaultdict(dict)  # event -> rank -> the rank's record of it
         self.peer_lost, self.watchdog, self.stopped = set(), set(), set()
-        self.failed_rank = self.signal = None
-        self.lost_host = self.not_started = False  # not_started: mpirun could not start the job
+        self.failed_rank, self.signal = None, None
+        self.lost_host, self.not_started = False, False  # not_started: mpirun could not start the job
         self.preempted = None  # the signal to du-launch that preempted the job
         self.stopping = None  # the signal on which du-launch stops the job itself
         self.grace = None  # the timer that stops a preempted job after --grace

@@ -1,6 +1,6 @@
 """The code is as `ruff format` writes it (line length 110, pyproject.toml), with no `# fmt: skip`; `ruff check`
-finds no assigned lambda (E731) and no function more complex than 12 (C901), none silenced with `noqa`; and no
-nested conditional expression or chained assignment packs two decisions into one line."""
+finds no assigned lambda (E731) and no function more complex than 12 (C901) in the library, none silenced with
+`noqa`; and no nested conditional expression or chained assignment packs two decisions into one line."""
 
 import ast
 import shutil
@@ -17,9 +17,9 @@ def _ruff():
     return ruff
 
 
-def _grep(*patterns) -> str:
+def _grep(*patterns, where="*.py") -> str:
     words = [w for p in patterns for w in ("-e", p)]
-    argv = ["git", "grep", "-n", *words, "--", "*.py", ":!tests/test_style.py"]
+    argv = ["git", "grep", "-n", *words, "--", where, ":!tests/test_style.py"]
     return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True).stdout
 
 
@@ -31,9 +31,11 @@ def test_the_code_is_as_the_formatter_writes_it():
 
 def test_ruff_check_finds_no_assigned_lambda_and_no_function_too_complex():
     rules = ["--select", "E731,C901", "--config", "lint.mccabe.max-complexity=12", "--no-cache"]
-    run = subprocess.run([_ruff(), "check", *rules, "."], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [_ruff(), "check", *rules, "distributed_utils"], cwd=ROOT, capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert _grep("noqa: E731", "noqa: C901") == "", "no rule silenced"
+    assert _grep("noqa: E731", "noqa: C901", where="distributed_utils") == "", "no rule silenced"
 
 
 def test_no_nested_conditional_expression_and_no_chained_assignment():

@@ -164,12 +164,14 @@ def _buffers(arrays, in_place, taken=None):
         if isinstance(a, np.ndarray):  # (host_buffers) reduced in a, handed over, or in a C-ordered copy
             wide = np.float32 if a.dtype == np.float16 else a.dtype
             mine = in_place and a.flags.c_contiguous and a.flags.writeable and wide == a.dtype
-            w = view = a if mine else np.array(a, wide, order="C")
+            w = a if mine else np.array(a, wide, order="C")
+            view = w
         else:
             w = widened(a)  # (no MPI type: reduced in float32, rounded once)
             view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
             if view is None and w.size and w.nbytes <= SMALL_BYTES:  # a small copy: numpy's (_received)
-                w = view = np.array(w, order="C")  # (evaluated, of a dtype numpy has: not narrow)
+                w = np.array(w, order="C")  # (evaluated, of a dtype numpy has: not narrow)
+                view = w
             elif view is None and w.size:  # a copy to reduce in
                 w = to_mx(contiguous_numpy(w))
                 view = own_memory(w)
