@@ -108,7 +108,10 @@ def barrier(backend):
 
 def reduce_scatter_sum(backend, x, scale: float = 1.0):
     """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``."""
-    primitive = lambda a: backend.reduce_scatter(a, scale)  # noqa: E731
+
+    def primitive(a):
+        return backend.reduce_scatter(a, scale)
+
     return _door(backend, "reduce_scatter", x, primitive, *_shown("sum", scale))
 
 
