@@ -65,7 +65,9 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         if not 0 <= fragment_update_alpha <= 1:
             raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1], got {fragment_update_alpha}")
         self.backend, self.inner_optimizer = backend, inner_optimizer
-        self.codec = sparse.codec(compression)  # (None: Reduction's compression)
+        if isinstance(compression, str) and compression == "sparse":
+            compression = sparse.SparseCodec()  # (the defaults)
+        self.codec = compression if isinstance(compression, sparse.SparseCodec) else None
         nesterov = optim.SGD(0.7, momentum=0.9, nesterov=True)
         self.outer_optimizer = outer_optimizer or (optim.SGD(1.0) if self.codec else nesterov)
         self.sync_every, self.fragments = sync_every, fragments

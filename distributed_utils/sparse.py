@@ -110,7 +110,7 @@ class SparseCodec:
         kept = {}
         for key, delta in pseudo.items():
             before = np.array(feedback.get(key, 0.0), np.float32).ravel()  # (none yet: zeros)
-            e = self.decay * before + np.array(delta, np.float32).ravel()
+            e = self.decay * before + np.array(delta.astype(mx.float32)).ravel()
             wire, residual = self._encode(e)
             mine.append(wire)
             kept[key] = mx.array(residual.reshape(delta.shape))
@@ -133,10 +133,3 @@ class SparseCodec:
             averaged[key] = mx.array(out[: delta.size].reshape(delta.shape)).astype(delta.dtype)
             offset += size
         return averaged, kept
-
-
-def codec(compression):
-    """The ``SparseCodec`` that DiLoCo's ``compression`` asks for ("sparse": the defaults), or None."""
-    if isinstance(compression, str) and compression == "sparse":
-        return SparseCodec()
-    return compression if isinstance(compression, SparseCodec) else None
