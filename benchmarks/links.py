@@ -10,11 +10,12 @@ the veth between them shaped with tc's token bucket filter. Needs root, iproute2
    1 Gbit/s): a byte-level Llama from examples/llama_tinystories.py (4 layers, 128 dims, MLP
    256: 0.72M parameters, 2.9 MB) on generated stories, AdamW 1e-3, batch 4 x 32 tokens per rank:
    synchronous ``DistributedOptimizer`` against ``DiLoCo`` (H = 10 and 50; fragments; int8; a
-   fragment's sync overlapped with 5 inner steps). Every run checks the budget every 10 steps
+   fragment's sync overlapped with 5 inner steps; the sparse codec, SparseLoCo's). Every run checks the budget every 10 steps
    (a 1-byte all-reduce). Reported: steps,
    steps/s, MB each host sent (the veth's counters), rank 0's training loss at the end (a
-   moving average), and when each DiLoCo run first reached the synchronous run's final loss,
-   as a fraction of the synchronous run's time.
+   moving average), the same at the step every DiLoCo run reached, and when each DiLoCo run first
+   reached the synchronous run's final loss, as a fraction of the synchronous run's time. With
+   "local (no sync)" among the runs: KB per sync, each run's bytes less that run's (the start's).
 """
 
 import argparse
@@ -36,6 +37,8 @@ CONFIGS = {  # name: DiLoCo's arguments (None: synchronous)
     "diloco H=50 F=5": dict(sync_every=50, fragments=5),
     "diloco H=50 int8": dict(sync_every=50, compression="int8"),
     "diloco H=50 F=5 delay=5": dict(sync_every=50, fragments=5, fragment_sync_delay=5),
+    "diloco H=50 sparse": dict(sync_every=50, compression="sparse"),  # SparseLoCo's defaults, outer SGD(1.0)
+    "local (no sync)": dict(sync_every=10**9),  # the bytes every run sends besides its syncs
 }
 CHECK_EVERY = 10  # steps between two budget checks (a collective: it would end a delayed sync's overlap)
 
@@ -106,6 +109,7 @@ def train_worker(args):
             "seconds": time.perf_counter() - start,
             "loss": average,
             "trace": trace[::5],
+            "syncs": 0 if config is None else steps // config["sync_every"],
         }
         print("RESULT", json.dumps(result), flush=True)
 
@@ -180,17 +184,21 @@ def main():
         for backend in args.backends:
             for rate in args.train_rates:
                 hosts.shape(rate)
-                budget = args.budget if rate == "100mbit" else args.budget / 2
+                budget = args.budget if rate.endswith("mbit") else args.budget / 2
                 results = {
                     c: run(hosts, backend, ["train", "--config", c, "--budget", str(budget)], 600)
                     for c in args.configs
                 }
                 target = results["sync"]["loss"]
+                common = min(len(r["trace"]) for name, r in results.items() if name != "sync") - 1
+                base = results.get("local (no sync)", {"sent": 0})
                 print(
-                    f"\n{backend}, {rate}, {budget:g} s each: | run | steps | steps/s | MB sent per host | loss | "
-                    f"reached sync's final loss after |"
+                    f"\n{backend}, {rate}, {budget:g} s each: | run | steps | steps/s | MB sent per host | "
+                    f"KB per sync | loss | loss at step {5 * common + 1} | reached sync's final loss after |"
                 )
                 for name, r in results.items():
+                    extra = r["sent"] - base["sent"]  # (the budget checks: about 0.1 KB each)
+                    per_sync = f"{extra / r['syncs'] / 1e3:.1f}" if r["syncs"] else "-"
                     t = reached(r["trace"], target)
                     when = (
                         "-"
@@ -198,8 +206,9 @@ def main():
                         else f"{t / results['sync']['seconds']:.2f} of sync's time"
                     )
                     print(
-                        f"| {name} | {r['steps']} | {r['steps'] / r['seconds']:.2f} | {r['sent'] / 1e6:.1f} | "
-                        f"{r['loss']:.3f} | {when} |",
+                        f"| {name} | {r['steps']} | {r['steps'] / r['seconds']:.2f} | {r['sent'] / 1e6:.3f} | "
+                        f"{per_sync} | {r['loss']:.3f} | {r['trace'][min(common, len(r['trace']) - 1)][1]:.3f} | "
+                        f"{when} |",
                         flush=True,
                     )
                 if args.plot:

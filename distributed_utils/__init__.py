@@ -29,6 +29,7 @@ from .fsdp import FullyShardedModule, clip_grad_norm, fully_shard, split
 from .optimizer import DistributedOptimizer
 from .preemption import preempted
 from .reduction import reduce_gradients
+from .sparse import SparseCodec
 from .registry import get_distributed_backend, initialize, initialized, local_rank, node_rank, total_workers
 from .synchronize import synchronize
 from .tree import TreeMismatchError

@@ -3,13 +3,15 @@ parallelism for slow links. Each rank takes ``sync_every`` (H) steps of its inne
 alone; then the ranks average the pseudo-gradient (global minus local parameters), and an
 outer optimizer takes one step on the global parameters, from which every rank continues.
 With ``fragments=F``, F runs of whole arrays of about equal bytes sync in turn, H/F steps
-apart: each sync moves 1/F of the bytes. Local SGD is ``outer_optimizer=optim.SGD(1.0)``."""
+apart: each sync moves 1/F of the bytes. Local SGD is ``outer_optimizer=optim.SGD(1.0)``.
+With ``compression="sparse"`` (or a ``SparseCodec``: sparse.py) the pseudo-gradients go through
+error feedback and travel as a few quantized values of each chunk, in one all-gather (SparseLoCo)."""
 
 import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from . import fsdp, watchdog
+from . import fsdp, sparse, watchdog
 from .collectives import allgather, check_backend, check_count
 from .optimizer import check_start
 from .reduction import Pending, Reduction, as_weight
@@ -27,7 +29,9 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         outer_optimizer: default ``optim.SGD(0.7, momentum=0.9, nesterov=True)``; its state is
             keyed by the parameters' flat names.
         sync_every: H >= 1; fragments: F, 1 <= F <= min(H, number of parameter arrays).
-        compression, bucket_bytes: what the pseudo-gradients travel as (``reduce_gradients``).
+        compression, bucket_bytes: what the pseudo-gradients travel as (``reduce_gradients``); or
+            "sparse" / ``du.SparseCodec(k, chunk, bits, decay)`` (sparse.py): then the default outer
+            optimizer is ``optim.SGD(1.0)`` and a delayed fragment's all-gather is made at its start.
         fragment_sync_delay: tau < H // F: a fragment's all-reduce starts tau steps before its
             sync and travels while the ranks compute (MLX backends; MPIBackend's is done at once).
         fragment_update_alpha: after a sync a rank's fragment is ``global + alpha * (local - global)``.
@@ -61,15 +65,20 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         if not 0 <= fragment_update_alpha <= 1:
             raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1], got {fragment_update_alpha}")
         self.backend, self.inner_optimizer = backend, inner_optimizer
-        self.outer_optimizer = outer_optimizer or optim.SGD(0.7, momentum=0.9, nesterov=True)
+        if isinstance(compression, str) and compression == "sparse":
+            compression = sparse.SparseCodec()  # (the defaults)
+        self.codec = compression if isinstance(compression, sparse.SparseCodec) else None
+        nesterov = optim.SGD(0.7, momentum=0.9, nesterov=True)
+        self.outer_optimizer = outer_optimizer or (optim.SGD(1.0) if self.codec else nesterov)
         self.sync_every, self.fragments = sync_every, fragments
         self.delay, self.alpha = fragment_sync_delay, float(fragment_update_alpha)
-        self.reduction = Reduction(backend, "avg", compression, bucket_bytes)
+        self.reduction = Reduction(backend, "avg", None if self.codec else compression, bucket_bytes)
         self._started = {}  # fragment -> the Pending reduction of its pseudo-gradient, in flight
         self._global = None  # {flat key: the global parameters}, once initialized
         self._steps = 0  # inner steps taken
         self._weights = None  # per fragment: this rank's weight since its last sync (None: unweighted)
         self._local = {}  # {flat key: this rank's latest local parameters}
+        self._feedback = {}  # {flat key: this rank's error feedback (float32)}, with a codec
 
     @property
     def state(self) -> dict:
@@ -111,6 +120,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
                 "parameter arrays; a fragment is at least one array"
             )
         self._global, self._local = dict(leaves), dict(leaves)  # (no copy: MLX arrays do not change)
+        if self.codec:
+            self._feedback = {k: mx.zeros(a.shape, mx.float32) for k, a in leaves}
         self._fragment_keys = _fragments(leaves, self.fragments)
         self.inner_optimizer.init(parameters)
         self.outer_optimizer.init(self._global)
@@ -118,12 +129,14 @@ class DiLoCo(OptimizerState, optim.Optimizer):
 
     def whole_state(self) -> dict:
         """Collective: what a checkpoint holds: ``state``, the average of a fragment in flight,
-        and every rank's local parameters, inner state and weights, stacked in rank order."""
+        and every rank's local parameters, inner state, weights and feedback, stacked in rank order."""
         if self._global is None:
             return self.state
         started = {k: a for pending in self._started.values() for k, a in pending.wait().items()}
         weights = mx.zeros((0,)) if self._weights is None else mx.stack(self._weights)
         mine = {"inner": self.inner_optimizer.state, "local": self._local, "weights": weights}
+        if self.codec:
+            mine["feedback"] = self._feedback
         ranks = tree_map(lambda a: allgather(self.backend, a[None]), mine)
         return {**self.state, "started": started, "ranks": ranks}
 
@@ -138,6 +151,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         self.state = {**state, "inner": tree_map(lambda a: a[row], ranks["inner"])}
         self._weights = [w for w in ranks["weights"][row]] if ranks["weights"].shape[1] else None
         self._local = {k: v[row] for k, v in tree_flatten(ranks["local"])}
+        self._feedback = {k: v[row] for k, v in tree_flatten(ranks.get("feedback", {}))}
         started = dict(tree_flatten(state.get("started", {})))
         in_flight = [(f, keys) for f, keys in enumerate(self._fragment_keys) if keys[0] in started]
         self._started = {f: Pending(lambda keys=keys: {k: started[k] for k in keys}) for f, keys in in_flight}
@@ -160,6 +174,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
                 )
                 settings.update(fragment_update_alpha=self.alpha, inner=of(self.inner_optimizer).rule_name())
                 settings.update(outer=of(self.outer_optimizer).rule_name(), **self.reduction.settings())
+                settings.update(codec=self.codec)
                 check_start(self.backend, "DiLoCo", parameters, settings)
             self.init(tree_map(lambda _, p: p, gradients, parameters))
         if self._steps == 0 and weight is not None:
@@ -185,7 +200,12 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         """Collective: start averaging fragment ``f``'s pseudo-gradient (global minus local)."""
         pseudo = {k: self._global[k] - local[k] for k in keys}
         w = None if self._weights is None else self._weights[f]
-        self._started[f] = self.reduction.reduce(pseudo, weight=w, what="DiLoCo's sync")
+        if self.codec:
+            averaged, feedback = self.codec.reduce(self.backend, pseudo, self._feedback, w)
+            self._feedback.update(feedback)
+            self._started[f] = Pending(lambda: averaged)
+        else:
+            self._started[f] = self.reduction.reduce(pseudo, weight=w, what="DiLoCo's sync")
         if self._weights is not None:
             self._weights[f] = mx.array(0.0)
 

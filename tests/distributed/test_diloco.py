@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from primitives import counted
 from test_optimizer import mlp
 
@@ -159,13 +159,15 @@ def test_local_sgd_that_syncs_every_step_steps_like_distributed_sgd(backend, lr,
     np.testing.assert_allclose(flat(got), flat(expected), rtol=1e-5, atol=1e-6)
 
 
-def test_replicas_are_identical_right_after_each_sync_and_differ_between(backend):
+@pytest.mark.parametrize("compression", [None, "sparse", du.SparseCodec(k=3, chunk=8)])
+def test_replicas_are_identical_right_after_each_sync_and_differ_between(backend, compression):
     checked = []
 
     def check(step, model):
         checked.append((step, replicas_agree(backend, flat(model))))
 
-    train(backend, du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=3), 7, after_step=check)
+    opt = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=3, compression=compression)
+    train(backend, opt, 7, after_step=check)
     n = du.total_workers(backend)
     assert checked == [(s, s % 3 == 0 or n == 1) for s in range(1, 8)]
 
@@ -204,14 +206,20 @@ def test_compressed_pseudo_gradients_keep_replicas_identical_and_close(backend, 
     np.testing.assert_allclose(flat(got), flat(exact), atol=2e-2)
 
 
-@pytest.mark.parametrize("delay", [0, 2], ids=["between-syncs", "while-a-sync-travels"])
-def test_a_checkpoint_between_syncs_resumes_bit_for_bit(backend, tmp_path, delay):
+@pytest.mark.parametrize(
+    "delay,compression",
+    [(0, None), (2, None), (0, "sparse"), (2, du.SparseCodec(k=3, chunk=8))],
+    ids=["between-syncs", "while-a-sync-travels", "sparse", "sparse-while-a-sync-travels"],
+)
+def test_a_checkpoint_between_syncs_resumes_bit_for_bit(backend, tmp_path, delay, compression):
     """Saved at step 7 of 10 (sync every 4, weighted; with a delay of 2 the sync of step 8
     started at step 6 and is in flight): the resumed run ends where the uninterrupted one
-    does, bit for bit on every rank."""
+    does, bit for bit on every rank (sparse: the error feedback saved and loaded too)."""
     path = du.bcast(backend, str(tmp_path / "diloco.safetensors"))
     weights = lambda r, s: float(1 + r + s % 2)  # noqa: E731
-    make = lambda: du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=4, fragment_sync_delay=delay)  # noqa: E731
+    make = lambda: du.DiLoCo(  # noqa: E731
+        backend, optim.AdamW(1e-2), sync_every=4, fragment_sync_delay=delay, compression=compression
+    )
     saved = {}
 
     def save(step, model):
@@ -226,6 +234,119 @@ def test_a_checkpoint_between_syncs_resumes_bit_for_bit(backend, tmp_path, delay
     assert state["step"] == 7 and (flat(model) == saved["params"]).all()
     resumed, _ = train(backend, resumed_opt, 10, model=model, weights=weights, start=7)
     assert (flat(resumed).view(np.uint32) == flat(whole).view(np.uint32)).all()
+
+
+# ---- the sparse codec (SparseLoCo) ----
+
+
+def test_a_sparse_sync_is_one_allgather_of_the_documented_bytes(backend):
+    """Arrays of 10000, 64 x 64 and 5 values, the default codec (k=64 of each 4096, 2 bits): 3 chunks
+    (2 x 64 uint16 indices each, 24 bytes of signs, 3 x 2 float32 levels) + 1 chunk (128 + 8 + 8) + one
+    of 5 (5 uint8 indices, 1 byte of signs, 8) + the weight's 4 = 594 bytes from each rank: 1/196 of
+    int8's 14101 (0.27 bits per value)."""
+    codec = du.SparseCodec()
+    tree = {"a": mx.ones((10000,)), "b": mx.ones((64, 64)), "c": mx.ones((5,))}
+    given = []
+
+    def allgather(x, _original=backend.allgather):
+        given.append((x.dtype, x.nbytes))
+        return _original(x)
+
+    backend.allgather = allgather
+    try:
+        codec.reduce(backend, tree, {})
+    finally:
+        del backend.allgather
+    assert given == [(mx.uint8, 594)] and codec.nbytes([10000, 4096, 5]) == 594
+
+
+@settings(max_examples=12)
+@given(
+    k=st.integers(1, 12),
+    chunk=st.integers(1, 40),
+    bits=st.sampled_from([1, 2, 3, None]),
+    n=st.integers(1, 90),
+    syncs=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_with_decay_1_the_sent_parts_and_the_residual_add_up_to_the_pseudo_gradients(
+    backend, k, chunk, bits, n, syncs, seed
+):
+    """beta = 1: nothing is lost: the averages sent plus the ranks' mean final residual are the mean
+    of the ranks' summed pseudo-gradients (to float32 rounding); every rank decodes the same bits."""
+    codec = du.SparseCodec(k=min(k, chunk), chunk=chunk, bits=bits, decay=1.0)
+    size, rank = du.total_workers(backend), du.local_rank(backend)
+    deltas = [
+        [np.random.default_rng([seed, r, t]).standard_normal(n, np.float32) for t in range(syncs)]
+        for r in range(size)
+    ]
+    feedback, sent = {}, np.zeros(n, np.float32)
+    for t in range(syncs):
+        averaged, feedback = codec.reduce(backend, {"w": mx.array(deltas[rank][t])}, feedback)
+        assert replicas_agree(backend, np.array(averaged["w"]))
+        sent += np.array(averaged["w"])
+    residual = np.array(du.allgather(backend, feedback["w"][None])).mean(axis=0)
+    expected = np.mean([np.sum(d, axis=0) for d in deltas], axis=0)
+    np.testing.assert_allclose(sent + residual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fragments,delay,weighted", [(1, 0, False), (2, 1, True)])
+def test_sparse_keeping_every_value_unquantized_is_diloco_with_the_same_outer_sgd(
+    backend, fragments, delay, weighted
+):
+    """k = chunk, bits=None: all of the pseudo-gradient is sent and the residual is zero; the run
+    is DiLoCo's with the same outer SGD (fragments and a delayed sync too), bit for bit on up to 2
+    ranks. On 3 the transport sums three ranks in an order of its own: to float32 rounding."""
+    weights = (lambda r, s: float(1 + (r + s) % 3)) if weighted else None
+    runs = [
+        train(
+            backend,
+            du.DiLoCo(
+                backend,
+                optim.Adam(1e-2),
+                outer_optimizer=optim.SGD(1.0),
+                sync_every=4,
+                fragments=fragments,
+                fragment_sync_delay=delay,
+                compression=compression,
+            ),
+            12,
+            weights=weights,
+        )
+        for compression in (du.SparseCodec(k=4096, bits=None), None)
+    ]
+    sparse, dense = (flat(model) for model, _ in runs)
+    if du.total_workers(backend) <= 2:
+        assert (sparse.view(np.uint32) == dense.view(np.uint32)).all()
+    np.testing.assert_allclose(sparse, dense, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(dense, flat(mlp()))
+
+
+def test_a_sparse_step_between_syncs_makes_no_collective_and_a_sync_one(backend):
+    opt = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=4, compression="sparse")
+    _, made = train(backend, opt, 8)
+    first = 1 if du.total_workers(backend) > 1 else 0  # the first update checks the parameters and settings
+    assert made == [first, 0, 0, 1, 0, 0, 0, 1]
+    assert isinstance(opt.outer_optimizer, optim.SGD) and opt.outer_optimizer.momentum == 0
+
+
+def test_sparse_feedback_saved_by_more_ranks_loads_rank_r_modulo_their_number(backend):
+    """As the local parameters: a checkpoint of N + 1 ranks gives rank r saved rank r % (N + 1)'s buffers."""
+    opt = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=2, compression=du.SparseCodec(k=3, chunk=8))
+    train(backend, opt, 3)
+    whole, saved = opt.whole_state(), du.total_workers(backend) + 1
+    whole["ranks"] = tree_map(lambda a: mx.concatenate([a[:1]] * saved), whole["ranks"])
+
+    def numbered(rows):  # row i: rank 0's buffer + i
+        return rows + mx.arange(saved).reshape(-1, *[1] * (rows.ndim - 1))
+
+    whole["ranks"]["feedback"] = tree_map(numbered, whole["ranks"]["feedback"])
+    resumed = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=2, compression=du.SparseCodec(k=3, chunk=8))
+    resumed.load_whole_state(tree_unflatten(tree_flatten(whole)))  # (flat keys nested, as a checkpoint's)
+    row = du.local_rank(backend) % saved
+    for key, mine in resumed._feedback.items():
+        assert (np.array(mine) == np.array(whole["ranks"]["feedback"][key][row])).all(), key
+    assert any((np.array(v) != 0).any() for v in resumed._feedback.values())
 
 
 # ---- bad input ----
@@ -267,6 +388,17 @@ def test_a_checkpoint_between_syncs_resumes_bit_for_bit(backend, tmp_path, delay
             ValueError,
             r"fragment_update_alpha must be in \[0, 1\]",
         ),
+        (
+            lambda b: du.SparseCodec(k=9, chunk=8),
+            ValueError,
+            r"SparseCodec: k \(values kept of each chunk of 8\) must be an int in \[1, 8\], got 9",
+        ),
+        (
+            lambda b: du.SparseCodec(bits=16),
+            ValueError,
+            r"SparseCodec: bits \(or None or 32: float32 values\) must be an int in \[1, 8\], got 16",
+        ),
+        (lambda b: du.SparseCodec(decay=1.5), ValueError, r"SparseCodec: decay must be in \[0, 1\], got 1.5"),
     ],
     ids=[
         "sync_every",
@@ -278,6 +410,9 @@ def test_a_checkpoint_between_syncs_resumes_bit_for_bit(backend, tmp_path, delay
         "weight",
         "delay",
         "alpha",
+        "sparse-k",
+        "sparse-bits",
+        "sparse-decay",
     ],
 )
 def test_bad_input_is_a_clear_error_on_every_rank(backend, make, error, words):
