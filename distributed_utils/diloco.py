@@ -15,7 +15,7 @@ from . import fsdp, sparse, watchdog
 from .collectives import allgather, check_backend, check_count
 from .optimizer import check_start
 from .reduction import Pending, Reduction, as_weight
-from .state import OptimizerState, at_key, check_plain, of, scalars
+from .state import OptimizerState, at_key, check_plain, rule_settings, scalars
 from .tree import floating_leaves
 
 
@@ -170,11 +170,15 @@ class DiLoCo(OptimizerState, optim.Optimizer):
                 raise ValueError("DiLoCo does not compose with du.fully_shard: use DistributedOptimizer")
             if self.backend.size > 1:
                 settings = dict(
-                    sync_every=self.sync_every, fragments=self.fragments, fragment_sync_delay=self.delay
+                    sync_every=self.sync_every,
+                    fragments=self.fragments,
+                    fragment_sync_delay=self.delay,
+                    fragment_update_alpha=self.alpha,
+                    inner=rule_settings(self.inner_optimizer),
+                    outer=rule_settings(self.outer_optimizer),
+                    codec=self.codec,
+                    **self.reduction.settings(),
                 )
-                settings.update(fragment_update_alpha=self.alpha, inner=of(self.inner_optimizer).rule_name())
-                settings.update(outer=of(self.outer_optimizer).rule_name(), **self.reduction.settings())
-                settings.update(codec=self.codec)
                 check_start(self.backend, "DiLoCo", parameters, settings)
             self.init(tree_map(lambda _, p: p, gradients, parameters))
         if self._steps == 0 and weight is not None:
