@@ -116,7 +116,8 @@ class SparseCodec:
             kept[key] = mx.array(residual.reshape(delta.shape))
         gathered = allgather(backend, np.frombuffer(b"".join(mine), np.uint8)).reshape(backend.size, -1)
         weights = gathered[:, :4].copy().view(np.float32).ravel()
-        if bad := [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]:
+        bad = [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]
+        if bad:
             raise ValueError(
                 f"DiLoCo's sparse sync: weight must be one number >= 0 per rank; ranks {bad} passed "
                 f"{weights[bad].tolist()}"
