@@ -4,13 +4,14 @@ the parameter's key. A unit's own parameters (those of no fully sharded submodul
 for its forward pass, their gradients reduce-scattered (``Reduction.reduce(scatter=True)``) in the
 backward pass. ZeRO-1 (the sharded optimizer state) and checkpoints use the same shards."""
 
-import collections
 import functools
 import gc
+import itertools
 import math
 import weakref
 
 import mlx.core as mx
+import numpy as np
 from mlx import nn
 from mlx import optimizers as optim
 from mlx.nn.layers import distributed as mlx_sharded
@@ -23,6 +24,7 @@ from .reduction import Reduction
 from .tree import replace_arrays
 
 _units = []  # weak references to every fully sharded module of this process
+_numbers = itertools.count()  # the units', in the order ``fully_shard`` made them (collective: every rank's)
 
 
 class FullyShardedModule(nn.Module):
@@ -32,8 +34,24 @@ class FullyShardedModule(nn.Module):
         return _call(self, super().__call__, args, kwargs)
 
 
-#: What ``fully_shard`` keeps of a module, outside its parameters (``shapes``: the whole ones by key).
-_Unit = collections.namedtuple("_Unit", "backend shapes compute_dtype recompute reduction")
+class _Unit:
+    """What ``fully_shard`` keeps of a module, outside its parameters: ``shapes``, the whole ones by key;
+    ``index``, its place among this process's fully sharded modules (the same on every rank: ``fully_shard``
+    is collective); ``calls``, how often it gathered."""
+
+    def __init__(self, backend, shapes, compute_dtype, recompute, index, name):
+        self.backend, self.shapes, self.compute_dtype, self.recompute = (
+            backend,
+            shapes,
+            compute_dtype,
+            recompute,
+        )
+        self.reduction, self.index, self.name, self.calls = Reduction(backend, "avg"), index, name, 0
+
+    def tag(self) -> list:
+        """What this rank's next gather of the unit carries: the unit, and the call of it."""
+        self.calls += 1
+        return [self.index, self.calls]
 
 
 def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):
@@ -57,7 +75,7 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     module.update(tree_unflatten([(key, own_shard(bcast(backend, a), backend)) for key, a in own]))
     shapes = {key: a.shape for key, a in own}
     recompute = reshard_after_forward and not nested  # (a unit holding units keeps its own, as FSDP2's root)
-    unit = _Unit(backend, shapes, compute_dtype, recompute, Reduction(backend, "avg"))
+    unit = _Unit(backend, shapes, compute_dtype, recompute, next(_numbers), type(module).__name__)
     object.__setattr__(module, "_du_unit", unit)
     module.__class__ = _sharded_class(type(module))
     _units.append(weakref.ref(module))
@@ -87,9 +105,41 @@ def _padded(flat, size: int):
     return mx.concatenate([flat, mx.zeros((pad,), flat.dtype)]) if pad else flat
 
 
-def gather(backend, shards: list, shapes: list) -> list:
-    """Collective: the whole arrays of ``shapes`` from every rank's ``shards`` (an all-gather each)."""
-    return [allgather(backend, s)[: math.prod(shape)].reshape(shape) for s, shape in zip(shards, shapes)]
+def gather(backend, shards: list, shapes: list, unit=None) -> list:
+    """Collective, one all-gather: the whole arrays of ``shapes`` from every rank's 1-d ``shards`` (any
+    dtypes: their bytes travel packed). ``unit``: the ``_Unit`` they are of, whose tag travels with them:
+    ValueError on every rank unless every rank gathers the same unit's same call (not while MLX traces)."""
+    if not shards:
+        return []
+    tag = [] if unit is None else [mx.array(unit.tag(), mx.int64).view(mx.uint8)]
+    packed = [s.view(mx.uint8) for s in shards if s.size] + tag
+    if not packed:  # (0-element arrays: nothing travels; MLX makes them)
+        return [mx.zeros(shape, s.dtype) for s, shape in zip(shards, shapes)]
+    rows = allgather(backend, mx.concatenate(packed)[None])  # (one row of bytes per rank)
+    if unit is not None and evaluate(rows):
+        _check_tags(backend, unit, to_numpy(rows[:, -16:]).view(np.int64))
+    wholes, start = [], 0
+    for s, shape in zip(shards, shapes):
+        size = s.size * s.dtype.size
+        whole = rows[:, start : start + size].reshape(-1).view(s.dtype)[: math.prod(shape)]
+        wholes.append(whole.reshape(shape))
+        start += size
+    return wholes
+
+
+def _check_tags(backend, unit, tags):
+    """ValueError on every rank (each sees every rank's tag) unless they gather the same unit's same call."""
+    if (tags == tags[0]).all():
+        return
+    names = {}
+    for module in filter(None, (ref() for ref in _units)):
+        names[module._du_unit.index] = module._du_unit.name
+    doing = "; ".join(f"rank {r}: unit {i} ({names.get(i, '?')}), call {c}" for r, (i, c) in enumerate(tags))
+    raise ValueError(
+        f"du.fully_shard: the ranks gather different fully sharded units ({doing}): every rank must call its "
+        "fully sharded modules in the same order, as often (skipping blocks or routing to experts differently "
+        "on each rank mixes their shards: draw such choices from a seed every rank shares)"
+    )
 
 
 def reduce_scatter(reduction, wholes: dict, *, what, scale=1.0, weight=None) -> dict:
@@ -109,7 +159,7 @@ def _call(module, forward, args, kwargs):
     def whole(shards, names):
         to = unit.compute_dtype
         cast = [s.astype(to) if to and is_floating(s.dtype) else s for s in shards]
-        return gather(unit.backend, cast, [unit.shapes[k] for k in names])
+        return gather(unit.backend, cast, [unit.shapes[k] for k in names], unit)
 
     def scattered(shards, cotangents):  # the shards' gradients
         wholes = {k: g.astype(s.dtype) for k, g, s in zip(keys, cotangents, shards)}

@@ -182,7 +182,10 @@ def _buffers(arrays, in_place, taken=None):
 
 def _received(shape, dtype, mx_dtype, receive) -> mx.array:
     """A new mx.array of ``shape`` (seen as ``mx_dtype``) that ``receive(bytes)`` writes as numpy ``dtype``:
-    into its own memory, or up to ``SMALL_BYTES`` into numpy's, then copied (cheaper than a new MLX array)."""
+    into its own memory, or up to ``SMALL_BYTES`` into numpy's, then copied (cheaper than a new MLX array);
+    of no elements, MLX's own (an empty array on numpy's memory hung MLX's reductions of it), nothing sent."""
+    if 0 in shape:
+        return mx.zeros(shape, mx_dtype)
     if int(np.prod(shape)) * dtype.itemsize <= SMALL_BYTES:
         out = np.zeros(shape, dtype)  # (zeros, as mx.zeros: no stale memory if a rank sent less)
         receive(_bytes(out))

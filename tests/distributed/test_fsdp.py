@@ -5,6 +5,7 @@ clipping, checkpoints, groups, and MLX's own sharded layers."""
 
 import contextlib
 import gc
+import re
 import math
 import weakref
 from functools import partial
@@ -16,6 +17,7 @@ import mlx.optimizers as optim
 import pytest
 from mlx.nn.layers import distributed as mlx_sharded
 from mlx.utils import tree_flatten, tree_map
+from primitives import counted
 
 import distributed_utils as du
 from distributed_utils import fsdp
@@ -540,3 +542,68 @@ def test_found_by_review(backend):
     du.fully_shard(backend, root)
     with pytest.raises(ValueError, match="inside a fully sharded one"):
         du.fully_shard(backend, root.blocks[0])
+
+
+class SkipsOnRank1(Net):
+    """Stochastic depth drawn per rank (a mixture of experts routing differently fails alike): rank 1 skips
+    block 0 at the first call, so that its gathers meet the others' gathers of other, same-shaped blocks."""
+
+    def __call__(self, x):
+        h = self.embed(x)
+        skip = self._rank == 1 and not self._called
+        self._called = True
+        for i, block in enumerate(self.blocks):
+            if not (skip and i == 0):
+                h = block(h)
+        return self.head(self.norm(h))
+
+
+@pytest.mark.world(min_size=2)
+@pytest.mark.parametrize("reshard", [True, False])
+def test_ranks_that_call_different_fully_sharded_units_fail_on_every_rank_naming_them(backend, reshard):
+    """#38: the shards of two blocks mixed with no error (parameters 0.004-0.010 off one process's)."""
+    mx.random.seed(0)
+    model = SkipsOnRank1()
+    model._rank, model._called = backend.rank, False
+    mx.eval(model.parameters())
+    sharded(backend, model, reshard_after_forward=reshard)
+    x, y = batches(backend, steps=1)[1][0]
+    with pytest.raises(ValueError) as raised:
+        nn.value_and_grad(model, loss_fn)(model, x, y)
+    units = re.search(
+        r"rank 0: unit (\d+) \(Block\), call 1; rank 1: unit (\d+) \(Block\), call 1", str(raised.value)
+    )
+    assert "the ranks gather different fully sharded units" in str(raised.value), raised.value
+    assert units and int(units[2]) == int(units[1]) + 1, raised.value  # (rank 1 is in the next block)
+
+
+class WithNothing(Block):
+    """A block holding a parameter of no elements (an empty bias, a LoRA of rank 0)."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.nothing = mx.zeros((0, d))
+
+    def __call__(self, x):
+        return super().__call__(x) + self.nothing.sum()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_one_all_gather_per_unit_call_and_a_parameter_of_no_elements(backend, reshard):
+    """#40: a unit's parameters travel in one all-gather (was one per parameter); #38: a 0-element
+    parameter (at 3 MPI ranks the gather of one came back on numpy's memory, and MLX hung reducing it)."""
+    mx.random.seed(0)
+    block = WithNothing(5)
+    du.synchronize(backend, block)
+    x = mx.random.normal((2, 5))
+    expected = block(x)
+    step = nn.value_and_grad(block, lambda m: m(x).sum())
+    loss, grads = step(block)
+    du.fully_shard(backend, block, reshard_after_forward=reshard)
+    with counted(backend) as calls:
+        out = block(x)
+        mx.eval(out)
+    assert calls == ["allgather"], calls
+    assert_close({"out": out}, {"out": expected}, atol=1e-6)
+    sharded_loss, sharded_grads = step(block)
+    assert sharded_grads["nothing"].shape == (0,) and mx.allclose(sharded_loss, loss).item()
