@@ -29,7 +29,8 @@ class DistributedDataContainer:
         self.backend, self.data, self.epoch = backend, data, 0
         self.rank, self.world_size = local_rank(backend), total_workers(backend)
         self._label = f"DistributedDataContainer on rank {self.rank}"  # (errors name it)
-        self._part = (self.world_size, None, 0)  # this epoch's batches(): world size, batch size, count
+        # this epoch's batches() so far: world size, batch size, count, drop_last
+        self._part = (self.world_size, None, 0, False)
         self._before = []  # the parts of this epoch run before a restart at another world size or batch size
         self._resume = None  # load_state_dict's state, for the next batches()
         self._auto_sizes = None  # the batch sizes share="auto" last agreed on
@@ -80,7 +81,7 @@ class DistributedDataContainer:
         """Where the job is in the data (the same on every rank), for ``save_checkpoint(data=)``."""
         if self._resume is not None:  # loaded, and not yet resumed by batches()
             return {"before": [], "batch_size": None, **self._resume}
-        part = dict(zip(("world_size", "batch_size", "batches"), self._part))
+        part = dict(zip(("world_size", "batch_size", "batches", "drop_last"), self._part))
         return {"epoch": self.epoch, **part, "before": [list(p) for p in self._before]}
 
     def load_state_dict(self, state: dict):
@@ -113,7 +114,7 @@ class DistributedDataContainer:
                 f"{batch_size} (global batch {partition.global_batch(self.world_size, batch_size)})",
                 stacklevel=3,
             )
-        return [*before, (world_size, saved_batch, batches)], 0
+        return [*before, (world_size, saved_batch, batches, state.get("drop_last", False))], 0
 
     def batches(
         self,
@@ -166,12 +167,11 @@ class DistributedDataContainer:
         mine = partition.size_of(batch_size, self.rank)
         where = (self._n, self.world_size, self.rank, batch_size)
         order_of = dict(shuffle=how["shuffle"], seed=how["seed"], epoch=how["epoch"], done=before)
+        order_of["lengths"] = self._lengths
         if how["exactly_once"]:
             order, real = partition.exactly_once_indices(*where, **order_of)
         else:
             order, real = partition.epoch_indices(*where, drop_last=how["drop_last"], **order_of), None
-        if self._lengths is not None:
-            order = partition.group_by_length(order, self._lengths, mine, real)
         count = -(-len(order) // mine)
         if not 0 <= start <= count:
             raise ValueError(f"{self._label}: start={start} is not in 0..{count} (batches in this epoch)")
@@ -222,19 +222,28 @@ class DistributedDataContainer:
 
     def _counted(self, how, before, batch_size, start, batches, auto=False):
         """``batches``, keeping ``state_dict`` current; ``auto``: the rest re-split once speeds are known."""
-        self.epoch, self._before, self._part = how["epoch"], before, (self.world_size, batch_size, start)
+        drop_last = how["drop_last"]
+        self.epoch, self._before, self._part = (
+            how["epoch"],
+            before,
+            (self.world_size, batch_size, start, drop_last),
+        )
         clock = []  # (seconds, seconds in collectives) at each hand-out
         for batch in batches:
-            self._part = (self.world_size, batch_size, self._part[2] + 1)
+            self._part = (self.world_size, batch_size, self._part[2] + 1, drop_last)
             clock.append((time.monotonic(), watchdog.waited()))
             if auto and len(clock) == AUTO_SHARE_STEPS + 2:  # (the first step is a warm-up)
                 sizes = self._measured_sizes(batch_size, clock[1:])
                 if sizes != batch_size:  # the rest of the epoch, split anew, from this batch on
-                    done = (self.world_size, batch_size, self._part[2] - 1)
+                    done = (self.world_size, batch_size, self._part[2] - 1, drop_last)
                     yield from self._sized_batches(how, [*before, done], sizes, 0)
                     return
             yield batch
-        self.epoch, self._before, self._part = how["epoch"] + 1, [], (self.world_size, batch_size, 0)
+        self.epoch, self._before, self._part = (
+            how["epoch"] + 1,
+            [],
+            (self.world_size, batch_size, 0, drop_last),
+        )
 
     def _fetch(self, idx):
         """The batch of global indices ``idx`` (a numpy int array): stacked, or collated."""

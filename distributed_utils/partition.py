@@ -43,34 +43,32 @@ def global_batch(world_size, batch_size) -> int:
 
 
 def epoch_indices(
-    n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=()
+    n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, drop_last=False, done=(), lengths=None
 ):
     """The global indices rank visits in this epoch, in order: ``ceil(n / P)`` items (``drop_last``:
     full batches) of the epoch's order from the start of rank's shard, wrapping around; with every
-    rank's batch size (a list) its slice of each global batch instead. ``done``: the parts
-    ``(world_size, batch_size, batches)`` visited before (a restart, a re-split); the rest is sharded so."""
-    order = _remaining_order(n, shuffle, seed, epoch, done)
-    return order[_share(len(order), world_size, rank, batch_size, drop_last)]
+    rank's batch size (a list) its slice of each global batch instead; ``lengths``: grouped by length
+    (``group_by_length``). ``done``: the parts ``(world_size, batch_size, batches[, drop_last])`` visited
+    before (a restart, a re-split); the rest is sharded so. Over an epoch, whatever its parts, no item is
+    visited twice before every item was visited once."""
+    order = _remaining_order(n, shuffle, seed, epoch, done, lengths, exactly_once=False)
+    return _visits(order, world_size, rank, batch_size, lengths, drop_last, exactly_once=False)[0]
 
 
-def exactly_once_indices(n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, done=()):
+def exactly_once_indices(
+    n, world_size, rank, batch_size, *, shuffle=False, seed=0, epoch=0, done=(), lengths=None
+):
     """``(indices, real)``: as ``epoch_indices``, but rank's shard alone, then its first item
-    again (not ``real``) up to as many batches as every rank: each item once across the ranks."""
-    order = _remaining_order(n, shuffle, seed, epoch, done)
-    m = len(order)
-    if isinstance(batch_size, list):  # in global batches: the positions past the end are filler
-        positions = _global_batches(m, batch_size, rank, False)
-    else:
-        start, stop = shard_bounds(m, world_size, rank)
-        total = batch_count(m, world_size, batch_size, False) * batch_size
-        positions = np.concatenate([np.arange(start, stop), np.full(total - (stop - start), m)])
-    real = positions < m
-    return order[np.where(real, positions, positions[0] % m if m and len(positions) else 0)], real
+    again (not ``real``) up to as many batches as every rank: each item once across the ranks (the
+    ``done`` parts' and the rest's together)."""
+    order = _remaining_order(n, shuffle, seed, epoch, done, lengths, exactly_once=True)
+    return _visits(order, world_size, rank, batch_size, lengths, False, exactly_once=True)
 
 
 def group_by_length(order, lengths, batch_size, real=None):
     """``order`` with each run of ``LENGTH_GROUP_BATCHES`` batches stably sorted by ``lengths(indices)``,
-    longest first (less padding; the runs keep the epoch's order); with ``real``, the real items alone."""
+    longest first (less padding; the runs keep the epoch's order); with ``real`` (a prefix), those alone:
+    the filler and the repeats after them stay last."""
     out = np.array(order)
     count = len(out) if real is None else int(real.sum())
     run = LENGTH_GROUP_BATCHES * batch_size
@@ -80,25 +78,50 @@ def group_by_length(order, lengths, batch_size, real=None):
     return out
 
 
-def _remaining_order(n, shuffle, seed, epoch, done) -> np.ndarray:
+def _visits(order, world_size, rank, batch_size, lengths, drop_last, exactly_once) -> tuple:
+    """``(the items of order rank visits, in order; which are real: None unless exactly_once)``: the one
+    rule that both a part's batches and the replay of the parts done before (``_remaining_order``) follow."""
+    m, real = len(order), None
+    if not exactly_once:
+        positions = _share(m, world_size, rank, batch_size, drop_last)
+        items, first = order[positions % max(m, 1)], positions < m  # (the repeats past the end stay last)
+    else:
+        if isinstance(batch_size, list):  # in global batches: the positions past the end are filler
+            positions = _global_batches(m, batch_size, rank, False)
+        else:
+            start, stop = shard_bounds(m, world_size, rank)
+            total = batch_count(m, world_size, batch_size, False) * batch_size
+            positions = np.concatenate([np.arange(start, stop), np.full(total - (stop - start), m)])
+        real = positions < m
+        items, first = order[np.where(real, positions, positions[0] % m if m and len(positions) else 0)], real
+    if lengths is not None:
+        items = group_by_length(items, lengths, size_of(batch_size, rank), first)
+    return items, real
+
+
+def _remaining_order(n, shuffle, seed, epoch, done, lengths, exactly_once) -> np.ndarray:
     """The epoch's order (``shuffle``: ``np.random.default_rng((seed, epoch))``'s permutation) less the
-    items the ``done`` parts visited, each part run on what the parts before it left."""
+    items the ``done`` parts visited, each part run (as ``_visits``) on what the parts before it left."""
     order = np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
-    for world_size, batch_size, batches in done:
-        visited = np.zeros(len(order), bool)
-        for rank in range(world_size):  # (the first batches of a share are the same with drop_last)
-            share = _share(len(order), world_size, rank, batch_size, False)
-            visited[share[: batches * size_of(batch_size, rank)]] = True
-        order = order[~visited]
+    for part in done:
+        world_size, batch_size, batches = part[:3]
+        drop_last = len(part) > 3 and bool(part[3])  # (parts saved before 2026-11 have three: no drop_last)
+        visited = []
+        for rank in range(world_size):
+            items, real = _visits(order, world_size, rank, batch_size, lengths, drop_last, exactly_once)
+            first = slice(0, batches * size_of(batch_size, rank))
+            visited.append(items[first] if real is None else items[first][real[first]])
+        order = order[~np.isin(order, np.concatenate(visited))]
     return order
 
 
 def _share(m, world_size, rank, batch_size, drop_last) -> np.ndarray:
-    """Which of ``m`` positions rank visits, in order: its shard's, wrapping around the end."""
+    """Which of ``m`` positions rank visits, in order: its shard's, then past ``m`` (wrapping around the
+    end, ``% m``: repeats, always last)."""
     if isinstance(batch_size, list):
-        return _global_batches(m, batch_size, rank, drop_last) % m
+        return _global_batches(m, batch_size, rank, drop_last)
     count = batch_count(m, world_size, batch_size, True) * batch_size if drop_last else -(-m // world_size)
-    return (shard_bounds(m, world_size, rank)[0] + np.arange(count)) % m
+    return shard_bounds(m, world_size, rank)[0] + np.arange(count)
 
 
 def _global_batches(m, sizes, rank, drop_last) -> np.ndarray:
