@@ -25,12 +25,20 @@ from .backends import (
 from .checkpoint import CheckpointError, load_checkpoint, save_adapters, save_checkpoint
 from .data import DistributedDataContainer
 from .diloco import DiLoCo
-from .fsdp import FullyShardedModule, clip_grad_norm, fully_shard, split
+from .fsdp import FullyShardedModule, clip_grad_norm, fully_shard
 from .optimizer import DistributedOptimizer
 from .preemption import preempted
 from .reduction import reduce_gradients
 from .sparse import SparseCodec
-from .registry import get_distributed_backend, initialize, initialized, local_rank, node_rank, total_workers
+from .registry import (
+    get_distributed_backend,
+    initialize,
+    initialized,
+    local_rank,
+    node_rank,
+    split,
+    total_workers,
+)
 from .synchronize import synchronize
 from .tree import TreeMismatchError
 from .watchdog import watch

@@ -1,4 +1,4 @@
-"""The collectives, and the one door every collective of the library passes (``_door``).
+"""The collectives, and the one door every collective of the library passes (``run_collective``).
 
 Every function here that takes a backend is collective: all ranks call it, in the same order,
 with arrays of the same shape and dtype. Python objects travel pickled, as bytes."""
@@ -12,7 +12,7 @@ import numpy as np
 
 from . import watchdog
 from .arrays import DTYPE_NAMES, MX_BY_NUMPY, evaluate, is_floating, to_mx, to_numpy
-from .backends import AbstractBackend
+from .backends import AbstractBackend, BackendUnavailableError
 
 #: Lux's ``DistributedUtils.avg``: the averaging reduction op.
 avg = "avg"
@@ -34,7 +34,9 @@ def bcast(backend, x, root: int = 0):
     if not isinstance(x, (mx.array, np.ndarray)):
         return _objects(backend, x, root)[0]
     arr, back = _as_array(x)
-    return back(_door(backend, "bcast", to_mx(arr), lambda a: backend.bcast(a, root), f"root={root}"))
+    return back(
+        run_collective(backend, "bcast", to_mx(arr), lambda a: backend.bcast(a, root), f"root={root}")
+    )
 
 
 def allreduce(backend, x, op):
@@ -98,12 +100,12 @@ def allgather(backend, x):
     if not isinstance(x, (mx.array, np.ndarray)):
         return _objects(backend, x)
     arr, back = _as_array(x)
-    return back(_door(backend, "allgather", mx.atleast_1d(to_mx(arr)), backend.allgather))
+    return back(run_collective(backend, "allgather", mx.atleast_1d(to_mx(arr)), backend.allgather))
 
 
 def barrier(backend):
     """Returns on each rank once every rank has reached it."""
-    _door(check_backend(backend), "barrier", None, lambda _: backend.barrier())
+    run_collective(check_backend(backend), "barrier", None, lambda _: backend.barrier())
 
 
 def reduce_scatter_sum(backend, x, scale: float = 1.0):
@@ -112,7 +114,7 @@ def reduce_scatter_sum(backend, x, scale: float = 1.0):
     def primitive(a):
         return backend.reduce_scatter(a, scale)
 
-    return _door(backend, "reduce_scatter", x, primitive, *_shown("sum", scale))
+    return run_collective(backend, "reduce_scatter", x, primitive, *_shown("sum", scale))
 
 
 def _shown(op, scale) -> tuple:
@@ -131,7 +133,9 @@ def allreduce_arrays(backend, arrays: list, op, scale=1.0, in_place=False, what=
     details = _shown(op, scale)
     if op == "avg":
         op, scale = "sum", scale * average_factor(backend)
-    return _door(backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), *details)
+    return run_collective(
+        backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), *details
+    )
 
 
 def start_sum(backend, arrays: list, scale: float = 1.0, in_place=False) -> "Started":
@@ -144,7 +148,7 @@ def start_sum(backend, arrays: list, scale: float = 1.0, in_place=False) -> "Sta
     def begin(a):
         return backend.start_sum(a, scale, in_place)
 
-    return _door(backend, "start_sum", arrays, begin, *_shown("sum", scale), start=True)
+    return run_collective(backend, "start_sum", arrays, begin, *_shown("sum", scale), start=True)
 
 
 class Started:
@@ -168,7 +172,7 @@ class Started:
 _in_flight = []  # the start_sum collectives not yet waited for, in the order they were started
 
 
-def _door(backend, what, arrays, primitive, *details, start=False):
+def run_collective(backend, what, arrays, primitive, *details, start=False):
     """The one door: ``primitive(arrays)`` as one watched collective, its inputs evaluated before the
     clock starts, its result inside, after the debug check; a transport's error names the rank and the
     collective. ``start``: ``primitive`` starts it and returns the function that waits for it (``Started``).
@@ -176,7 +180,7 @@ def _door(backend, what, arrays, primitive, *details, start=False):
     if _in_flight and not start:  # (a start_sum travels behind those started before it)
         _in_flight[-1].wait()
     tracing = not evaluate(arrays)
-    with watchdog.Collective(backend.rank, what, details, arrays) as call:
+    with watchdog.Collective(backend, what, details, arrays) as call:
         if call is not None and call.debug and backend.size > 1 and not tracing:  # (its gathers: nested)
             if _in_flight:  # (the check's collectives run on this thread: none beside a start_sum)
                 _in_flight[-1].wait()
@@ -190,7 +194,8 @@ def _door(backend, what, arrays, primitive, *details, start=False):
             else:
                 evaluate(out)
         except RuntimeError as e:  # MLX's and mpi4py's
-            if call is None or isinstance(e, CollectiveMismatchError):  # (nested: the outermost names it)
+            # (nested: the outermost names it; ours already say what and where)
+            if call is None or isinstance(e, (CollectiveMismatchError, BackendUnavailableError)):
                 raise
             raise RuntimeError(
                 f"rank {backend.rank}: collective {call.text(limit=3)} failed in the transport: {e} "
@@ -231,7 +236,7 @@ def _objects(backend, obj, root=None) -> list:
             raise TypeError(f"{whose}: " + "; ".join(f"rank {r} {errors[r]}" for r in np.flatnonzero(failed)))
         return [r for r, _ in received]
 
-    return _door(backend, what, None, run, *([] if root is None else [f"root={root}"]))
+    return run_collective(backend, what, None, run, *([] if root is None else [f"root={root}"]))
 
 
 _OBJECT_TAG = 0x64755F6F626A  # "du_obj": announces an object's size, so that a mismatch is seen

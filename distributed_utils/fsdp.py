@@ -17,7 +17,6 @@ from mlx import optimizers as optim
 from mlx.nn.layers import distributed as mlx_sharded
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import registry
 from .arrays import bits, evaluate, is_floating, to_mx, to_numpy
 from .collectives import allgather, allreduce, bcast, check_backend, check_count, check_same
 from .reduction import Reduction
@@ -306,16 +305,6 @@ def clip_grad_norm(backend, gradients, max_norm: float):
     norm = mx.sqrt(allreduce(backend, local, "sum"))
     factor = mx.minimum(max_norm / (norm + 1e-6), 1.0)
     return tree_unflatten([(k, (g * factor).astype(g.dtype)) for k, g in leaves]), norm
-
-
-def split(backend, color: int):
-    """Collective: a backend over the ranks that pass the same ``color`` (an int >= 0), in ``backend``'s
-    order (MPI's ``Comm.Split``, MLX's ``Group.split``; none on MLX's ring: BackendUnavailableError)."""
-    check_backend(backend)
-    color = check_count(color, 0, "du.split: color")
-    sub = backend if backend.size == 1 else backend.split(color)
-    registry.handshake(sub)  # (its node_rank)
-    return sub
 
 
 #: Optimizers whose update is element by element: their state can be split anywhere.

@@ -5,7 +5,7 @@ import socket
 
 from . import watchdog
 from .backends import BY_LAUNCH_NAME, AbstractBackend, MLXBackend, RingBackend, contract
-from .collectives import allgather, check_backend
+from .collectives import allgather, check_backend, check_count, run_collective
 
 _BACKENDS = {}
 
@@ -29,8 +29,27 @@ def initialize(backend_type=None, *, timeout=None, debug=None, **kwargs) -> Abst
     return _BACKENDS[backend_type]
 
 
-def handshake(backend, expected=None):
-    """Collective: learn ``node_rank``; check the size (``expected``) and that every rank is of this job."""
+def split(backend, color: int):
+    """Collective: a backend over the ranks that pass the same ``color`` (an int >= 0), in ``backend``'s
+    order (MPI's ``Comm.Split``, MLX's ``Group.split``; none on MLX's ring: BackendUnavailableError).
+    Watched as any collective: a rank that never calls it ends the job within the timeout."""
+    check_backend(backend)
+    color = check_count(color, 0, "du.split: color")
+    if backend.size == 1:
+        return backend
+
+    def split_group(_):
+        with watchdog.holding_the_gil():  # (MLX's MPI splits holding it)
+            return backend.split(color)
+
+    sub = run_collective(backend, "split", None, split_group)  # (no color shown: ranks pass their own)
+    handshake(sub, parent=backend)  # (its node_rank, and its members: the job's ranks in it)
+    return sub
+
+
+def handshake(backend, expected=None, parent=None):
+    """Collective: learn ``node_rank``; check the size (``expected``) and that every rank is of this job;
+    a group of ``parent`` (``split``) learns its ``members``, the job's ranks in it."""
     if expected is not None and expected != backend.size:
         launcher = "du-launch" if contract.job_id() else "mpirun"
         raise contract.BackendUnavailableError(
@@ -39,7 +58,8 @@ def handshake(backend, expected=None):
             f"initialize the backend this job was started for (du.initialize() with no argument: "
             f"{contract.launched_backend_name()})"
         )
-    hosts, jobs = zip(*allgather(backend, (socket.gethostname(), contract.job_id())))
+    job_rank = backend.rank if parent is None else _job_rank(parent)
+    hosts, jobs, job_ranks = zip(*allgather(backend, (socket.gethostname(), contract.job_id(), job_rank)))
     if len(set(jobs)) > 1:
         by_job = {job: [r for r, j in enumerate(jobs) if j == job] for job in dict.fromkeys(jobs)}
         raise RuntimeError(
@@ -47,6 +67,13 @@ def handshake(backend, expected=None):
             f"job (ranks by job id: {by_job}); two jobs share a port"
         )
     backend.node_rank = hosts[: backend.rank].count(hosts[backend.rank])
+    if parent is not None:
+        backend.members = job_ranks
+
+
+def _job_rank(backend) -> int:
+    """This process's rank in the whole job, given a backend of it (a group's: its members say)."""
+    return backend.rank if backend.members is None else backend.members[backend.rank]
 
 
 def initialized(backend_type) -> bool:

@@ -158,7 +158,7 @@ def merge_timeline(path, n, straggler=None):
     """The ranks' timelines (``trace.rank-R.json``, those on this host) merged into ``path``, a row per
     rank: the compute between collectives shown, and each collective's wait for the last rank to start it."""
     files = [Path(timeline_path(path, r)) for r in range(n)]
-    merged, by_seq = [], collections.defaultdict(dict)  # a collective's number -> rank -> its event there
+    merged, by_seq = [], collections.defaultdict(dict)  # a collective's (group, number) -> rank -> its event
     for r, events in [(r, json.loads(f.read_text())) for r, f in enumerate(files) if f.exists()]:
         name = f"rank {r}" + (" (the straggler)" if r == straggler else "")
         ours = [e for e in events if e["args"]["seq"]]
@@ -167,8 +167,8 @@ def merge_timeline(path, n, straggler=None):
             dict(a, name="compute", ts=a["ts"] + a["dur"], dur=b["ts"] - a["ts"] - a["dur"], args={})
             for a, b in zip(ours, ours[1:])
         ]
-        for e in ours:
-            by_seq[e["args"]["seq"]][r] = e
+        for e in ours:  # (each group numbers its own collectives)
+            by_seq[e["args"].get("group", ""), e["args"]["seq"]][r] = e
     for started in by_seq.values():
         last = max(started, key=lambda r: started[r]["ts"])
         for e in started.values():

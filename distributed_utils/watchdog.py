@@ -24,7 +24,7 @@ _POLL = 0.25
 class _State:
     timeout = debug = None  # None: not configured yet (read the environment)
     rank = thread = parent = None  # parent: the launcher's pid, to exit with it
-    seq = done = 0  # the last collective's sequence number on this rank, and the last that finished
+    done = "#0"  # the last collective that finished on this rank (its number, and its group)
     depth = 0  # 1 inside a collective: the collectives it makes itself are part of it
     waited = 0.0  # seconds spent in collectives
     first = last = None  # when the first collective began, and the last ended
@@ -59,16 +59,19 @@ def configure(timeout=None, debug=None):
 
 
 class Collective:
-    """``with Collective(rank, what, details, arrays) as call``: watch one collective of this rank
-    (``call`` is None when nested in another: part of it), shown (``text``) only when asked. A
-    ``watch`` region is a Collective registered without entering it (``seq`` 0)."""
+    """``with Collective(backend, what, details, arrays) as call``: watch one collective of this rank
+    (``call`` is None when nested in another: part of it), numbered on ``backend`` (its group), shown
+    (``text``) only when asked. A ``watch`` region is a Collective registered without entering it (``seq`` 0)."""
 
     start = None  # when it began, once registered
     seq = 0
+    group = ""  # "" for the whole job, else " in group [0, 2]": its members
 
-    def __init__(self, rank: int, what: str, details=(), arrays=None):
-        self.rank, self.what, self.details = rank, what, details
-        self.arrays = arrays if isinstance(arrays, list) else [] if arrays is None else [arrays]
+    def __init__(self, backend, what: str, details=(), arrays=None):
+        self.backend, self.rank, self.what, self.details = backend, backend.rank, what, details
+        if arrays is None:
+            arrays = []
+        self.arrays = arrays if isinstance(arrays, list) else [arrays]
 
     def __enter__(self):
         if _state.depth:
@@ -76,7 +79,10 @@ class Collective:
         if _state.timeout is None:
             configure()
         _state.depth, _state.rank, self.timeout, self.debug = 1, self.rank, _state.timeout, _state.debug
-        self.seq = _state.seq = _state.seq + 1
+        self.backend.seq += 1
+        self.seq = self.backend.seq
+        if self.backend.members is not None:
+            self.group = f" in group {list(self.backend.members)}"
         _register(self)
         return self
 
@@ -89,7 +95,16 @@ class Collective:
         """What reports show and debug mode checks: ``#5 allreduce(float32(3,), sum)`` (``limit`` arrays)."""
         shown = [show(signature(a)) for a in self.arrays[:limit]]
         more = [f"... ({len(self.arrays)} arrays)"] if limit is not None and len(self.arrays) > limit else []
-        return f"#{self.seq} {self.what}({', '.join(shown + more + list(self.details))})"
+        return f"#{self.seq}{self.group} {self.what}({', '.join(shown + more + list(self.details))})"
+
+
+class _Region:
+    """What a ``watch`` region is numbered on: nothing (its ``seq`` stays 0)."""
+
+    members, seq = None, 0
+
+    def __init__(self, rank):
+        self.rank = rank
 
 
 def waited() -> float:
@@ -103,7 +118,7 @@ def watch(what: str, timeout=None):
     library's), this rank reports it and exits. For work that waits on other ranks, such as a
     compiled step whose collectives run at your ``mx.eval``: ``with du.watch("train step"): ...``."""
     configure()
-    region = Collective(_state.rank, what)
+    region = Collective(_Region(_state.rank), what)
     region.timeout = _state.timeout if timeout is None else float(timeout)
     _register(region)
     try:
@@ -113,10 +128,10 @@ def watch(what: str, timeout=None):
 
 
 @contextlib.contextmanager
-def connecting(what: str, exit_with_launcher=False):
-    """``watch`` for a transport's start. MLX's ring holds the GIL while it connects: the C thread
-    of faulthandler backs the watchdog up (a "Timeout" traceback through ``initialize``, exit 1).
-    Once started, ``exit_with_launcher``: this process ends when its parent (du-launch) is gone."""
+def holding_the_gil():
+    """For a call into a transport that may wait holding the GIL (MLX's ring connecting, MLX's MPI
+    splitting), where the watchdog's thread cannot run: faulthandler's C thread backs it up (a
+    "Timeout" traceback through the call, exit 1)."""
     configure()
     armed = False
     with contextlib.suppress(AttributeError, ValueError, OSError):  # no usable stderr: the thread alone
@@ -124,11 +139,18 @@ def connecting(what: str, exit_with_launcher=False):
             faulthandler.dump_traceback_later(_state.timeout + GRACE, exit=True, file=sys.__stderr__)
             armed = True
     try:
-        with watch(what):
-            yield
+        yield
     finally:
         if armed:
             faulthandler.cancel_dump_traceback_later()
+
+
+@contextlib.contextmanager
+def connecting(what: str, exit_with_launcher=False):
+    """``watch`` for a transport's start (``holding_the_gil``). Once started, ``exit_with_launcher``:
+    this process ends when its parent (du-launch) is gone."""
+    with holding_the_gil(), watch(what):
+        yield
     if exit_with_launcher:  # (SIGKILLed, say; the watch started the thread that checks)
         _state.parent = os.getppid()
 
@@ -151,9 +173,13 @@ def _finished(region):
     _state.inflight.pop(region, None)
     if region.seq:
         _state.waited, _state.sent = _state.waited + end - region.start, _state.sent + nbytes
-        _state.done, _state.first, _state.last = region.seq, _state.first or region.start, end
+        _state.done, _state.first, _state.last = (
+            f"#{region.seq}{region.group}",
+            _state.first or region.start,
+            end,
+        )
     if _state.timeline is not None:
-        _state.timeline.append((region.seq, region.what, region.start, end, nbytes))
+        _state.timeline.append((region.seq, region.group.strip(), region.what, region.start, end, nbytes))
 
 
 def stepped():
@@ -172,12 +198,16 @@ def _account(say=True):
         say_record(
             "account", steps=_state.steps, seconds=seconds, collectives=_state.waited, bytes=_state.sent
         )
-    if _state.timeline is not None:  # (seq, what, start, end, bytes), on the wall clock: the hosts' agree
+    if (
+        _state.timeline is not None
+    ):  # (seq, group, what, start, end, bytes), on the wall clock: the hosts' agree
         t0 = (time.time() - time.monotonic()) * 1e6
-        trace = [
-            dict(name=w, ph="X", ts=a * 1e6 + t0, dur=(b - a) * 1e6, pid=r, tid=0, args=dict(seq=s, bytes=n))
-            for s, w, a, b, n in _state.timeline
-        ]
+        trace = []
+        for s, g, w, a, b, n in _state.timeline:
+            numbered = dict(seq=s, group=g, bytes=n)
+            trace.append(
+                dict(name=w, ph="X", ts=a * 1e6 + t0, dur=(b - a) * 1e6, pid=r, tid=0, args=numbered)
+            )
         path = timeline_path(os.environ["DU_TIMELINE"], r)
         with open(path + ".tmp", "w") as f:  # (whole or not at all: a rank may be stopped meanwhile)
             json.dump(trace, f)
@@ -212,7 +242,7 @@ def _expire(entries):
         also = f"; this process itself was stopped for {stopped:.1f} s of it" if stopped > 1 else ""
         _say(
             f"du watchdog: rank {rank}: {name} waiting since {since} ({now - e.start:.1f} s, timeout {e.timeout:g} s; "
-            f"last finished collective: #{_state.done}); exiting{also}"
+            f"last finished collective: {_state.done}); exiting{also}"
         )
         _say(record("watchdog", rank=rank, waiting=name, stopped=stopped > 1))
     threading.Timer(GRACE, os._exit, (WATCHDOG_EXIT,)).start()  # (the exit, even if the writes below hang)

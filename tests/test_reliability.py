@@ -1,6 +1,7 @@
 """Reliability under du-launch: the watchdog, the debug check, dead ranks, checkpoints that
 survive a crash mid-write, and launcher inputs that fail with a clear error."""
 
+import json
 import os
 import re
 import signal
@@ -683,3 +684,55 @@ def test_a_preempted_program_that_never_calls_preempted_ends_with_128_plus_the_s
     assert code == 128 + signal.SIGTERM, out
     assert "the ranks ended on the forwarded SIGUSR1 (the program does not call du.preempted)" in out, out
     assert not re.search(r"rank \d+ (was killed|exited)", out), out
+
+
+# --- groups (du.split): watched, and numbered per group (#38) ---------------------------------------
+
+SKIPS_SPLIT = """
+import time, distributed_utils as du
+b = du.initialize()
+r = du.local_rank(b)
+if r == du.total_workers(b) - 1:
+    time.sleep(60)  # takes another branch: never calls du.split
+else:
+    du.split(b, r % 2)
+"""
+
+
+@pytest.mark.parametrize("backend,n", [("mpi", 4), ("mlx-mpi", 3)])
+def test_a_rank_that_never_calls_split_ends_the_job_within_the_timeout(backend, n):
+    """#38: the others waited in Comm.Split until something outside killed the job (DU_TIMEOUT=20 did not
+    end it in 100 s): du.split went past the door that watches every collective."""
+    run = launch(n, backend, ["--timeout", "5", "python", "-c", SKIPS_SPLIT], timeout=50)
+    assert run.returncode in (1, 124), run.stdout  # (124: the watchdog; 1: faulthandler, MLX holds the GIL)
+    assert re.search(r"collective #\d+ split\(\) waiting since|in split_group", run.stdout), run.stdout
+
+
+GROUPS_OF_THEIR_OWN = """
+import time, numpy as np, distributed_utils as du
+b = du.initialize()
+r = du.local_rank(b)
+g = du.split(b, r % 2)
+for _ in range(3 if r % 2 == 0 else 1):  # each group its own number of collectives
+    du.allreduce(g, np.ones(2), "sum")
+for _ in range(3):
+    if r == 3:
+        time.sleep(0.2)  # (a wait to measure, not a synchronization)
+    du.allreduce(b, np.ones(2), "sum")
+"""
+
+
+def test_groups_making_their_own_numbers_of_collectives_pass_debug_mode_and_pair_in_the_timeline(tmp_path):
+    """#38: debug mode raised CollectiveMismatchError on every rank for this correct program, and the merged
+    timeline paired unrelated collectives (the others' wait said 0 ms "for rank 2", not 200 for rank 3)."""
+    trace = tmp_path / "trace.json"
+    run = launch(
+        4, "mpi", ["--debug", "--timeline", str(trace), "python", "-c", GROUPS_OF_THEIR_OWN], timeout=90
+    )
+    assert run.returncode == 0, run.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    whole = [e for e in events if e["name"] == "allreduce" and e["args"].get("group") == "" and e["pid"] != 3]
+    waits = [(e["args"]["for_rank"], e["args"]["waited_ms"]) for e in whole]  # (ranks 0-2: 3 each)
+    assert len(waits) == 9 and all(rank == 3 and ms > 100 for rank, ms in waits), waits
+    groups = {e["args"]["group"] for e in events if e["name"] == "allreduce" and e["args"].get("group")}
+    assert groups == {"in group [0, 2]", "in group [1, 3]"}, groups

@@ -279,7 +279,7 @@ def test_the_watchdog_describes_collectives(backend):
     """How reports and debug mode show a collective (its numbering: tests/test_reliability.py)."""
 
     def report(what, details, arrays):
-        return watchdog.Collective(0, what, details, arrays).text(limit=3)
+        return watchdog.Collective(backend, what, details, arrays).text(limit=3)
 
     assert report("allreduce", ("avg",), mx.ones((4, 2), mx.bfloat16)) == "#0 allreduce(bfloat16(4, 2), avg)"
     assert report("bcast", ("root=1",), np.zeros(3, np.int64)) == "#0 bcast(int64(3,), root=1)"
@@ -288,7 +288,7 @@ def test_the_watchdog_describes_collectives(backend):
         "#0 allreduce_arrays(float32(3,), float32(3,), float32(3,), ... (5 arrays), sum)"
     )
     assert report("bcast_object", ("root=0",), None) == "#0 bcast_object(root=0)"
-    assert watchdog.Collective(0, "allreduce_arrays", ("sum",), grads).text() == (
+    assert watchdog.Collective(backend, "allreduce_arrays", ("sum",), grads).text() == (
         "#0 allreduce_arrays(" + ", ".join(["float32(3,)"] * 5) + ", sum)"
     )
 
