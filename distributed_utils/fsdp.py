@@ -299,10 +299,16 @@ def _at_shards(tree, shards, fn):
 
 def clip_grad_norm(backend, gradients, max_norm: float):
     """Collective: ``(gradients scaled to a global norm of at most max_norm, the global norm)``, the norm
-    over every rank's ``gradients`` (its shards, as MLX's ``clip_grad_norm_sharded``)."""
+    over every rank's ``gradients`` (its shards, as MLX's ``clip_grad_norm_sharded``), in two small
+    all-reduces: the largest magnitude first, which scales the squares (else gradients of 2e19 or more
+    square to inf, and every gradient is clipped to 0)."""
     leaves = tree_flatten(gradients)
-    local = sum((mx.square(g.astype(mx.float32)).sum() for _, g in leaves), mx.array(0.0, mx.float32))
-    norm = mx.sqrt(allreduce(backend, local, "sum"))
+    zero = mx.array(0.0, mx.float32)
+    magnitudes = [mx.abs(g).max().astype(mx.float32) for _, g in leaves if g.size]
+    largest = allreduce(backend, mx.max(mx.stack(magnitudes)) if magnitudes else zero, "max")
+    unit = mx.where(largest > 0, largest, 1.0)
+    local = sum((mx.square(g.astype(mx.float32) / unit).sum() for _, g in leaves), zero)
+    norm = mx.where(mx.isinf(largest), largest, mx.sqrt(allreduce(backend, local, "sum")) * unit)
     factor = mx.minimum(max_norm / (norm + 1e-6), 1.0)
     return tree_unflatten([(k, (g * factor).astype(g.dtype)) for k, g in leaves]), norm
 

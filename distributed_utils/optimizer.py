@@ -126,6 +126,7 @@ class DistributedOptimizer(Plain, optim.Optimizer):
     def reduce_gradients(self, gradients, weight=None):
         """Collective: ``gradients`` reduced now, as ``update`` would (``accumulate_steps`` aside)."""
         what = "DistributedOptimizer.reduce_gradients(grads)"
+        watchdog.stepped()  # (as update would: a step, for du-launch's account)
         return self.reduction.reduce(gradients, weight=weight, what=what).wait()
 
     def _step(self, gradients, parameters, target, weight):

@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from . import watchdog
 from .arrays import NARROW_FLOATS, dtype_name, evaluate
 from .collectives import allgather, average_factor, reduce_scatter_sum, start_sum
 from .tree import buckets, describe, floating_leaves, pack, replace_arrays, unpack, verify_same_structure
@@ -45,6 +46,7 @@ def reduce_gradients(
     The arrays of ``gradients`` keep their values (the sums go into memory of their own: the backward pass
     may still read a gradient's memory). In a world of one they come back as they are."""
     reduction = Reduction(backend, op, compression, bucket_bytes)
+    watchdog.stepped()  # (a step, for du-launch's account: the reduction of a gradient tree is one)
     return reduction.reduce(gradients, scale=scale, weight=weight, verify=verify).wait()
 
 

@@ -555,3 +555,18 @@ def test_records_are_written_only_under_du_launch(monkeypatch, capfd):
     say_record("preempted", signals=["SIGTERM"])
     written = capfd.readouterr()
     assert "du-launch-record" not in written.out + written.err, written
+
+
+BARE_REDUCTIONS = """
+import mlx.core as mx, distributed_utils as du
+b = du.initialize()
+for step in range(7):  # MIGRATION.md's place for nn.average_gradients: a step each
+    mx.eval(du.reduce_gradients(b, {"w": mx.ones((4,)) * step}))
+"""
+
+
+def test_a_loop_of_bare_reduce_gradients_gets_an_account_of_its_steps():
+    """#38: the account counted optimizer steps alone; a loop of du.reduce_gradients got none."""
+    run = launch(2, "ring", ["python", "-c", BARE_REDUCTIONS], timeout=60)
+    assert run.returncode == 0, run.stdout
+    assert re.search(r"du-launch: rank 0: 7 steps, [\d.]+ s computing", run.stdout), run.stdout

@@ -607,3 +607,15 @@ def test_one_all_gather_per_unit_call_and_a_parameter_of_no_elements(backend, re
     assert_close({"out": out}, {"out": expected}, atol=1e-6)
     sharded_loss, sharded_grads = step(block)
     assert sharded_grads["nothing"].shape == (0,) and mx.allclose(sharded_loss, loss).item()
+
+
+def test_clip_grad_norm_of_gradients_whose_squares_overflow_float32(backend):
+    """#38: gradients of 5e37 (squares past float32) gave a norm of inf and were all clipped to 0 (as MLX's clip_grad_norm does)."""
+    grads = {"w": mx.full((3,), 5e37, mx.float32), "b": mx.array([1.0, -2.0]), "nothing": mx.zeros((0,))}
+    clipped, norm = du.clip_grad_norm(backend, grads, 1.0)
+    n = backend.size  # (every rank's gradients count: the norm over all of them)
+    assert math.isclose(norm.item(), 5e37 * math.sqrt(3 * n), rel_tol=1e-5), norm
+    assert math.isclose(clipped["w"][0].item(), 1 / math.sqrt(3 * n), rel_tol=1e-5), clipped["w"]
+    assert clipped["b"][1].item() < 0 and clipped["nothing"].shape == (0,)
+    inf = du.clip_grad_norm(backend, {"w": mx.array([float("inf"), 1.0])}, 1.0)[1]
+    assert inf.item() == float("inf")  # (an infinite gradient: an infinite norm, as before)
