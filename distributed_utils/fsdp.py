@@ -63,6 +63,12 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     check_mlx_sharding(backend, module, "du.fully_shard", replicated_ok=False)
     if isinstance(module, FullyShardedModule):
         return module
+    if getattr(type(module).__call__, "__qualname__", "").startswith("grad_checkpoint."):
+        raise ValueError(
+            f"du.fully_shard: {type(module).__name__} runs through mlx-lm's grad_checkpoint, applied before "
+            "du.fully_shard: its recomputation would run on the shards. reshard_after_forward=True already "
+            "recomputes each unit in the backward pass; with False, apply grad_checkpoint after du.fully_shard"
+        )
     for unit in filter(None, (ref() for ref in _units)):  # (its parameters would be sharded twice)
         if any(m is module for m in unit.modules()):
             raise ValueError("du.fully_shard: the module is inside a fully sharded one; shard blocks first")
@@ -150,6 +156,7 @@ def reduce_scatter(reduction, wholes: dict, *, what, scale=1.0, weight=None) -> 
 def _call(module, forward, args, kwargs):
     """``forward(*args, **kwargs)`` with ``module``'s own parameters whole (see ``fully_shard``)."""
     unit, own = module._du_unit, dict(_own(module))
+    _check_held_shards(module, own)
     trainable = {k for k, _ in _own(module, nn.Module.trainable_parameter_filter)}
     keys = [k for k in own if k in trainable]  # gathered with a gradient: reduce-scattered
     frozen = [k for k in own if k not in trainable]
@@ -184,6 +191,21 @@ def _call(module, forward, args, kwargs):
     if not unit.recompute:  # (MLX's custom_function crashes on an empty list)
         return run(gathered(shards) if shards else [], args, kwargs)
     return _recomputed(run, whole, scattered, keys, shards, args, kwargs, what)
+
+
+def _check_held_shards(module, own: dict):
+    """ValueError unless each of ``module``'s own parameters is still this rank's shard (its whole shape:
+    whole weights were loaded into the sharded module, as ``load_weights(..., strict=False)`` does)."""
+    unit = module._du_unit
+    for key, a in own.items():
+        shard = (-(-math.prod(unit.shapes[key]) // unit.backend.size),)
+        if a.shape != shard:
+            raise ValueError(
+                f"du.fully_shard({type(module).__name__}): '{key}' holds an array of shape {tuple(a.shape)}, "
+                f"not this rank's shard {shard} of {tuple(unit.shapes[key])}: whole weights were loaded after "
+                "du.fully_shard (model.load_weights, mlx-lm's load_adapters); load them before sharding, or "
+                "save and load with du.save_checkpoint / du.load_checkpoint"
+            )
 
 
 def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):

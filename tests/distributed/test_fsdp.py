@@ -619,3 +619,30 @@ def test_clip_grad_norm_of_gradients_whose_squares_overflow_float32(backend):
     assert clipped["b"][1].item() < 0 and clipped["nothing"].shape == (0,)
     inf = du.clip_grad_norm(backend, {"w": mx.array([float("inf"), 1.0])}, 1.0)[1]
     assert inf.item() == float("inf")  # (an infinite gradient: an infinite norm, as before)
+
+
+def test_whole_weights_loaded_after_sharding_and_grad_checkpoint_before_it_are_named(backend, tmp_path):
+    """#38: both ended in MLX shape errors that did not say what happened ("[reshape] Cannot reshape array
+    of size 48 into shape (6,4)", an rms_norm size error)."""
+    from mlx_lm.tuner.trainer import grad_checkpoint
+
+    block = Block(5)
+    path = str(du.bcast(backend, str(tmp_path / "block.safetensors")))
+    if backend.rank == 0:
+        block.save_weights(path)
+    du.barrier(backend)
+    du.fully_shard(backend, block)
+    block.load_weights(path, strict=False)  # (mlx-lm's load_adapters does so)
+    with pytest.raises(
+        ValueError, match=r"'up.weight' holds an array of shape \(11, 5\), not this rank's shard"
+    ):
+        block(mx.ones((2, 5)))
+
+    class Checkpointed(Block):
+        pass
+
+    grad_checkpoint(Checkpointed(5))
+    with pytest.raises(
+        ValueError, match="runs through mlx-lm's grad_checkpoint, applied before du.fully_shard"
+    ):
+        du.fully_shard(backend, Checkpointed(5))
