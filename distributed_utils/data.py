@@ -148,7 +148,7 @@ class DistributedDataContainer:
         auto = isinstance(share, str) and share == "auto"
         how = dict(shuffle=shuffle, seed=seed, epoch=epoch, drop_last=drop_last, exactly_once=exactly_once)
         agreed = {**how, "batch_size": batch_size, "start": start, "position_loaded": self._resume}
-        agreed["share"] = "auto" if auto else None if share is None else "a number on each rank"
+        agreed["share"] = share if auto or share is None else "a number on each rank"
         check_same(self.backend, f"{self._label}: batches()", agreed)
         if share is not None:
             batch_size = self._agreed_sizes(batch_size, share)

@@ -94,7 +94,10 @@ def _sharded_class(cls):
 
 def _own(module, parameter_filter=nn.Module.valid_parameter_filter) -> list:
     """``[(key, array)]``: ``module``'s parameters (by ``parameter_filter``) of no fully sharded submodule."""
-    keep = lambda m, k, v: not isinstance(v, FullyShardedModule) and parameter_filter(m, k, v)  # noqa: E731
+
+    def keep(m, k, v):
+        return not isinstance(v, FullyShardedModule) and parameter_filter(m, k, v)
+
     return tree_flatten(module.filter_and_map(keep))
 
 
@@ -235,7 +238,10 @@ def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
 
     def backward(primals, cotangent, _):
         shards, floats = primals
-        flat = lambda *a: call(a[: len(shards)], a[len(shards) :])  # noqa: E731 (mx.vjp takes a flat list)
+
+        def flat(*a):  # (mx.vjp takes a flat list)
+            return call(a[: len(shards)], a[len(shards) :])
+
         _, grads = mx.vjp(flat, [*whole(shards, keys), *floats], [cotangent])
         evaluate(grads)  # (the whole parameters and the activations recomputed go)
         return _detached(scattered(shards, grads[: len(shards)])), _detached(grads[len(shards) :])
@@ -284,8 +290,10 @@ def any_alive() -> bool:
 
 def param_key(key: str, sharded_keys) -> str:
     """The parameter ``key`` (or an optimizer state entry of it: ``key.m``) is of, if sharded, else None."""
+    if key in sharded_keys:
+        return key
     parent = key.rpartition(".")[0]
-    return key if key in sharded_keys else parent if parent in sharded_keys else None
+    return parent if parent in sharded_keys else None
 
 
 def whole_tree(tree, shards: dict):

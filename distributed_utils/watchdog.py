@@ -22,14 +22,14 @@ _POLL = 0.25
 
 
 class _State:
-    timeout = debug = None  # None: not configured yet (read the environment)
-    rank = thread = parent = None  # parent: the launcher's pid, to exit with it
+    timeout, debug = None, None  # None: not configured yet (read the environment)
+    rank, thread, parent = None, None, None  # parent: the launcher's pid, to exit with it
     done = "#0"  # the last collective that finished on this rank (its number, and its group)
     depth = 0  # 1 inside a collective: the collectives it makes itself are part of it
     waited = 0.0  # seconds spent in collectives
-    first = last = None  # when the first collective began, and the last ended
-    steps = sent = 0  # optimizer steps, and bytes given to collectives
-    timeline = None  # with DU_TIMELINE: (seq, what, start, end, bytes) of each collective and region
+    first, last = None, None  # when the first collective began, and the last ended
+    steps, sent = 0, 0  # optimizer steps, and bytes given to collectives
+    timeline = None  # with DU_TIMELINE: (seq, group, what, start, end, bytes) of each collective and region
     lock = threading.Lock()  # for starting the thread
     inflight = {}  # the regions in flight (as keys); one C-level dict operation at a time (GIL)
     stopped = []  # (from, to): when this process did not run
