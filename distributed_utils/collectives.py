@@ -110,11 +110,8 @@ def barrier(backend):
 
 def reduce_scatter_sum(backend, x, scale: float = 1.0):
     """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``."""
-
-    def primitive(a):
-        return backend.reduce_scatter(a, scale)
-
-    return run_collective(backend, "reduce_scatter", x, primitive, *_shown("sum", scale))
+    primitive = backend.reduce_scatter
+    return run_collective(backend, "reduce_scatter", x, lambda a: primitive(a, scale), *_shown("sum", scale))
 
 
 def _shown(op, scale) -> tuple:
@@ -144,11 +141,10 @@ def start_sum(backend, arrays: list, scale: float = 1.0, in_place=False) -> "Sta
     handed over, and no computation to come reads their memory). Several may be in flight: they travel in
     the order started. ``Started.wait()`` gives the sums; any other collective waits for every sum in flight
     first (one thread drives a transport at a time)."""
-
-    def begin(a):
-        return backend.start_sum(a, scale, in_place)
-
-    return run_collective(backend, "start_sum", arrays, begin, *_shown("sum", scale), start=True)
+    begin = backend.start_sum
+    return run_collective(
+        backend, "start_sum", arrays, lambda a: begin(a, scale, in_place), *_shown("sum", scale), start=True
+    )
 
 
 class Started:

@@ -190,7 +190,8 @@ class DistributedDataContainer:
                     return sizes
         ok = isinstance(share, (int, float, np.number)) and not isinstance(share, bool) and 0 < share < np.inf
         shares = allgather(self.backend, np.array([float(share) if ok else np.nan]))
-        if bad := [r for r, s in enumerate(shares) if not s > 0]:
+        bad = [r for r, s in enumerate(shares) if not s > 0]
+        if bad:
             raise ValueError(
                 f"{self._label}: share must be a positive number or 'auto'; ranks {bad} passed another "
                 f"(shares: {shares.tolist()})"

@@ -15,7 +15,7 @@ from . import fsdp, sparse, watchdog
 from .collectives import allgather, check_backend, check_count
 from .optimizer import check_start
 from .reduction import Pending, Reduction, as_weight
-from .state import OptimizerState, at_key, check_plain, rule_settings, scalars
+from .state import OptimizerState, at_key, check_plain, forwarded, rule_settings, scalars
 from .tree import floating_leaves
 
 
@@ -98,10 +98,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
 
     step = property(lambda self: mx.array(self._steps, mx.int64))
 
-    learning_rate = property(
-        lambda self: self.inner_optimizer.learning_rate,
-        lambda self, v: setattr(self.inner_optimizer, "learning_rate", v),
-    )
+    learning_rate = forwarded("learning_rate", to="inner_optimizer")
 
     def rule_name(self) -> str:
         return "DiLoCo"

@@ -24,6 +24,7 @@ from .tree import replace_arrays
 
 _units = []  # weak references to every fully sharded module of this process
 _numbers = itertools.count()  # the units', in the order ``fully_shard`` made them (collective: every rank's)
+_unit_names = {}  # a unit's number -> its class's name, for errors naming another rank's unit
 
 
 class FullyShardedModule(nn.Module):
@@ -38,19 +39,13 @@ class _Unit:
     ``index``, its place among this process's fully sharded modules (the same on every rank: ``fully_shard``
     is collective); ``calls``, how often it gathered."""
 
-    def __init__(self, backend, shapes, compute_dtype, recompute, index, name):
-        self.backend, self.shapes, self.compute_dtype, self.recompute = (
-            backend,
-            shapes,
+    def __init__(self, backend, shapes, compute_dtype, recompute, index):
+        self.backend, self.shapes, self.index, self.calls = backend, shapes, index, 0
+        self.compute_dtype, self.recompute, self.reduction = (
             compute_dtype,
             recompute,
+            Reduction(backend, "avg"),
         )
-        self.reduction, self.index, self.name, self.calls = Reduction(backend, "avg"), index, name, 0
-
-    def tag(self) -> list:
-        """What this rank's next gather of the unit carries: the unit, and the call of it."""
-        self.calls += 1
-        return [self.index, self.calls]
 
 
 def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):
@@ -80,7 +75,8 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     module.update(tree_unflatten([(key, own_shard(bcast(backend, a), backend)) for key, a in own]))
     shapes = {key: a.shape for key, a in own}
     recompute = reshard_after_forward and not nested  # (a unit holding units keeps its own, as FSDP2's root)
-    unit = _Unit(backend, shapes, compute_dtype, recompute, next(_numbers), type(module).__name__)
+    unit = _Unit(backend, shapes, compute_dtype, recompute, next(_numbers))
+    _unit_names[unit.index] = type(module).__name__
     object.__setattr__(module, "_du_unit", unit)
     module.__class__ = _sharded_class(type(module))
     _units.append(weakref.ref(module))
@@ -119,13 +115,16 @@ def gather(backend, shards: list, shapes: list, unit=None) -> list:
     ValueError on every rank unless every rank gathers the same unit's same call (not while MLX traces)."""
     if not shards:
         return []
-    tag = [] if unit is None else [mx.array(unit.tag(), mx.int64).view(mx.uint8)]
+    tag = []
+    if unit is not None:  # (which unit, and which call of it, this rank gathers)
+        unit.calls += 1
+        tag = [mx.array([unit.index, unit.calls], mx.int64).view(mx.uint8)]
     packed = [s.view(mx.uint8) for s in shards if s.size] + tag
     if not packed:  # (0-element arrays: nothing travels; MLX makes them)
         return [mx.zeros(shape, s.dtype) for s, shape in zip(shards, shapes)]
     rows = allgather(backend, mx.concatenate(packed)[None])  # (one row of bytes per rank)
     if unit is not None and evaluate(rows):
-        _check_tags(backend, unit, to_numpy(rows[:, -16:]).view(np.int64))
+        _check_tags(to_numpy(rows[:, -16:]).view(np.int64))
     wholes, start = [], 0
     for s, shape in zip(shards, shapes):
         size = s.size * s.dtype.size
@@ -135,14 +134,11 @@ def gather(backend, shards: list, shapes: list, unit=None) -> list:
     return wholes
 
 
-def _check_tags(backend, unit, tags):
+def _check_tags(tags):
     """ValueError on every rank (each sees every rank's tag) unless they gather the same unit's same call."""
     if (tags == tags[0]).all():
         return
-    names = {}
-    for module in filter(None, (ref() for ref in _units)):
-        names[module._du_unit.index] = module._du_unit.name
-    doing = "; ".join(f"rank {r}: unit {i} ({names.get(i, '?')}), call {c}" for r, (i, c) in enumerate(tags))
+    doing = "; ".join(f"rank {r}: unit {i} ({_unit_names[i]}), call {c}" for r, (i, c) in enumerate(tags))
     raise ValueError(
         f"du.fully_shard: the ranks gather different fully sharded units ({doing}): every rank must call its "
         "fully sharded modules in the same order, as often (skipping blocks or routing to experts differently "

@@ -12,7 +12,7 @@ from . import fsdp, watchdog
 from .arrays import bits, evaluate, widened
 from .collectives import check_backend, check_count, check_same
 from .reduction import Reduction, as_weight, inverse
-from .state import Plain, check_plain, has_entries, rule_settings, scalars
+from .state import Plain, check_plain, forwarded, has_entries, rule_settings, scalars
 
 
 class DistributedOptimizer(Plain, optim.Optimizer):
@@ -64,26 +64,9 @@ class DistributedOptimizer(Plain, optim.Optimizer):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
-    # mlx.optimizers.Optimizer's own properties, which __getattr__ never reaches
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
-
-    @property
-    def step(self):
-        return self.optimizer.step
-
-    @property
-    def learning_rate(self):
-        return self.optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, value):
-        self.optimizer.learning_rate = value
+    state = forwarded("state", to="optimizer")
+    step = forwarded("step", to="optimizer")  # (read alone: the wrapped optimizer's is)
+    learning_rate = forwarded("learning_rate", to="optimizer")
 
     def init(self, parameters):
         """The wrapped optimizer's ``init`` (of this rank's shards when sharded); local."""
@@ -162,14 +145,11 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         what = "DistributedOptimizer.update(grads)"
         if self.sharded:
             return self._sharded_step(gradients, parameters, scale, weight, what)
-        if shards:  # the replicated parameters' gradients alone
-            flat = dict(tree_flatten(gradients))
-            replicated = {k: g for k, g in flat.items() if k not in shards}
-            if replicated:
-                flat.update(self.reduction.reduce(replicated, scale=scale, what=what).wait())
-            return self.optimizer.apply_gradients(tree_unflatten(list(flat.items())), target)
-        reduced = self.reduction.reduce(gradients, scale=scale, weight=weight, what=what).wait()
-        return self.optimizer.apply_gradients(reduced, target)
+        flat = dict(tree_flatten(gradients))  # (the shards' gradients: reduced in the backward pass)
+        replicated = {k: g for k, g in flat.items() if k not in shards}
+        if replicated:
+            flat.update(self.reduction.reduce(replicated, scale=scale, weight=weight, what=what).wait())
+        return self.optimizer.apply_gradients(tree_unflatten(list(flat.items())), target)
 
     def _sharded_step(self, gradients, parameters, scale, weight, what):
         """ZeRO-1: this rank's shards of the reduced gradients step its parameters' shards, all-gathered."""

@@ -136,12 +136,7 @@ class Reduction:
         negative or not finite is a ValueError on every rank."""
         weights = allgather(self.backend, weight.reshape(1))
         if evaluate(weights):  # (not while MLX traces)
-            bad = [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]
-            if bad:
-                raise ValueError(
-                    f"{what}: weight must be one number >= 0 per rank (a count of tokens, say); ranks {bad} "
-                    f"passed {[weights[r].item() for r in bad]} (nan: no number, or an array of another shape)"
-                )
+            check_weights(weights.tolist(), what)
         return weight * inverse(weights.sum())
 
     def _bucket_limit(self, arrays) -> int:
@@ -174,6 +169,16 @@ class Pending:
 
     def __init__(self, finish):
         self.wait = functools.cache(finish)
+
+
+def check_weights(weights: list, what: str):
+    """ValueError (on every rank: each has every rank's ``weights``) unless each is a number >= 0."""
+    bad = [r for r, w in enumerate(weights) if not 0 <= w < float("inf")]
+    if bad:
+        raise ValueError(
+            f"{what}: weight must be one number >= 0 per rank (a count of tokens, say); ranks {bad} "
+            f"passed {[weights[r] for r in bad]} (nan: no number, or an array of another shape)"
+        )
 
 
 def inverse(total_weight: mx.array) -> mx.array:

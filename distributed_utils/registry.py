@@ -58,8 +58,8 @@ def handshake(backend, expected=None, parent=None):
             f"initialize the backend this job was started for (du.initialize() with no argument: "
             f"{contract.launched_backend_name()})"
         )
-    job_rank = backend.rank if parent is None else _job_rank(parent)
-    hosts, jobs, job_ranks = zip(*allgather(backend, (socket.gethostname(), contract.job_id(), job_rank)))
+    backend.job_rank = backend.rank if parent is None else parent.job_rank
+    hosts, jobs, ranks = zip(*allgather(backend, (socket.gethostname(), contract.job_id(), backend.job_rank)))
     if len(set(jobs)) > 1:
         by_job = {job: [r for r, j in enumerate(jobs) if j == job] for job in dict.fromkeys(jobs)}
         raise RuntimeError(
@@ -68,12 +68,7 @@ def handshake(backend, expected=None, parent=None):
         )
     backend.node_rank = hosts[: backend.rank].count(hosts[backend.rank])
     if parent is not None:
-        backend.members = job_ranks
-
-
-def _job_rank(backend) -> int:
-    """This process's rank in the whole job, given a backend of it (a group's: its members say)."""
-    return backend.rank if backend.members is None else backend.members[backend.rank]
+        backend.members = ranks
 
 
 def initialized(backend_type) -> bool:

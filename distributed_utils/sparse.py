@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .collectives import allgather, check_count
+from .reduction import check_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,12 +117,7 @@ class SparseCodec:
             kept[key] = mx.array(residual.reshape(delta.shape))
         gathered = allgather(backend, np.frombuffer(b"".join(mine), np.uint8)).reshape(backend.size, -1)
         weights = gathered[:, :4].copy().view(np.float32).ravel()
-        bad = [r for r, w in enumerate(weights.tolist()) if not 0 <= w < float("inf")]
-        if bad:
-            raise ValueError(
-                f"DiLoCo's sparse sync: weight must be one number >= 0 per rank; ranks {bad} passed "
-                f"{weights[bad].tolist()}"
-            )
+        check_weights(weights.tolist(), "DiLoCo's sparse sync")
         shares = weights * (np.float32(1) / weights.sum() if weights.sum() > 0 else np.float32(0))
         averaged, offset = {}, 4
         for key, delta in pseudo.items():

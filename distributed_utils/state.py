@@ -59,6 +59,14 @@ class Plain(OptimizerState):
         self.optimizer.state = state
 
 
+def forwarded(name: str, to: str) -> property:
+    """A wrapper's property read from and written to its wrapped optimizer's (attribute ``to``) ``name``:
+    mlx.optimizers.Optimizer's own properties, which a wrapper's ``__getattr__`` never reaches."""
+    return property(
+        lambda self: getattr(getattr(self, to), name), lambda self, v: setattr(getattr(self, to), name, v)
+    )
+
+
 def rule_settings(optimizer) -> dict:
     """What makes two ranks' ``mlx.optimizers`` optimizers step alike, to compare across ranks: the class,
     its hyperparameters (betas, momentum, ...), and the learning rate (a schedule: its value now, and its

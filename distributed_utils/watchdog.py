@@ -67,8 +67,9 @@ class Collective:
     seq = 0
     group = ""  # "" for the whole job, else " in group [0, 2]": its members
 
-    def __init__(self, backend, what: str, details=(), arrays=None):
-        self.backend, self.rank, self.what, self.details = backend, backend.rank, what, details
+    def __init__(self, backend, what: str, details=(), arrays=None):  # (backend None: a region's)
+        self.backend, self.what, self.details = backend, what, details
+        self.rank = _state.rank if backend is None else backend.rank
         if arrays is None:
             arrays = []
         self.arrays = arrays if isinstance(arrays, list) else [arrays]
@@ -98,15 +99,6 @@ class Collective:
         return f"#{self.seq}{self.group} {self.what}({', '.join(shown + more + list(self.details))})"
 
 
-class _Region:
-    """What a ``watch`` region is numbered on: nothing (its ``seq`` stays 0)."""
-
-    members, seq = None, 0
-
-    def __init__(self, rank):
-        self.rank = rank
-
-
 def waited() -> float:
     """Seconds this process has spent in collectives: the rest of a step is its own work."""
     return _state.waited
@@ -118,7 +110,7 @@ def watch(what: str, timeout=None):
     library's), this rank reports it and exits. For work that waits on other ranks, such as a
     compiled step whose collectives run at your ``mx.eval``: ``with du.watch("train step"): ...``."""
     configure()
-    region = Collective(_Region(_state.rank), what)
+    region = Collective(None, what)
     region.timeout = _state.timeout if timeout is None else float(timeout)
     _register(region)
     try:

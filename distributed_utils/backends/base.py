@@ -23,10 +23,9 @@ class AbstractBackend(abc.ABC):
     started_by_du_launch: bool = False
     #: This process's rank among the processes on its host; set by ``initialize``.
     node_rank: int = 0
-    #: The job's ranks in this group (``du.split``'s), or None for the whole job; the number of the last
-    #: collective on it (each group numbers its own: groups make their own collectives).
-    members = None
-    seq: int = 0
+    #: The job's ranks in this group (``du.split``'s), or None for the whole job; this process's rank in the
+    #: job; the number of the last collective on it (each group numbers its own: groups make their own).
+    members, job_rank, seq = None, 0, 0
     #: Gradients smaller than this are packed into buckets of this many bytes, one collective
     #: each; larger ones travel alone, as they are (mlx.nn.average_gradients packs 32 MiB too).
     bucket_bytes: int = 32 * 2**20

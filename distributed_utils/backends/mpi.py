@@ -83,19 +83,15 @@ class MPIBackend(AbstractBackend):
         work, views = _buffers(arrays, True, self._taken)  # (not the memory of a sum in flight)
         before, error = self._sending, []
 
-        def send():
+        def send():  # (after a sum that failed, none is waited for: the first failure is raised)
             if before is not None:
                 before.join()
-            if before is None or not before.error:
-                try:
-                    self._reduce_in_place(views, "sum", scale)
-                except BaseException as e:  # (raised where the sums are waited for)
-                    error.append(e)
-            else:
-                error.append(RuntimeError("an earlier sum in flight failed"))
+            try:
+                self._reduce_in_place(views, "sum", scale)
+            except BaseException as e:  # (raised where the sums are waited for)
+                error.append(e)
 
         thread = threading.Thread(target=send, name="du-mpi-sum", daemon=True)  # (never blocks the exit)
-        thread.error = error
         thread.start()
         self._sending = thread
 
