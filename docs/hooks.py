@@ -1,7 +1,7 @@
 """MkDocs hook: the reference's generated parts, so that they follow the code.
 
 ``<!-- du-launch options -->`` in a page becomes the table of every option of du-launch's parser
-(``distributed_utils.launch.parse_args``), with its help text, metavar and default.
+(``distributed_utils.launch.parse_args``), with its metavar and help text (which gives the default).
 """
 
 import argparse
@@ -34,7 +34,7 @@ def launch_parser() -> argparse.ArgumentParser:
 
 def options_table() -> str:
     """A markdown table: one row per option of du-launch, in the parser's order."""
-    rows = ["| option | what it does | default |", "| --- | --- | --- |"]
+    rows = ["| option | what it does |", "| --- | --- |"]
     for action in launch_parser()._actions:
         if not action.option_strings and action.dest != "command":
             continue
@@ -43,8 +43,7 @@ def options_table() -> str:
             metavar = "|".join(action.choices)
         names = ", ".join(action.option_strings)
         usage = " ".join(filter(None, [names, metavar])) if names else "COMMAND..."
-        default = "" if action.default in (None, False, argparse.SUPPRESS) else f"`{action.default}`"
-        rows.append(f"| `{usage}` | {action.help or ''} | {default} |")
+        rows.append(f"| `{usage}` | {action.help or ''} |")
     return "\n".join(rows)
 
 
