@@ -2,7 +2,7 @@
 
 Every fenced block of README.md and docs/ is either a ```python program that runs here, on 2
 processes under du-launch, or follows an ``<!-- not run: WHY -->`` line. Blocks that call
-``mx.distributed`` themselves run under ``--backend ring``; blocks that name ``du.MPIBackend``
+``mx.distributed`` themselves run under ``--backend ring``; blocks whose code names ``du.MPIBackend``
 under ``--backend mpi``; the others under both. One job per backend runs its blocks one after the
 other, each in a fresh namespace, in a scratch directory. The site builds with ``mkdocs build
 --strict`` (a broken link or reference fails), and its pages render navigation, code and pictures.
@@ -54,6 +54,7 @@ def programs():
 
 
 def backends_for(code):
+    code = re.sub(r"#.*", "", code)  # (what the comments name does not count)
     if "mx.distributed" in code:
         return ["ring"]
     if "MPIBackend" in code:
