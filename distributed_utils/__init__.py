@@ -1,4 +1,4 @@
-"""distributed_utils: Lux.jl's DistributedUtils for MLX. See README.md.
+"""distributed_utils: Lux.jl's DistributedUtils for MLX. See README.md and docs/.
 
 PYTEST_DONT_REWRITE (its pytest plugin loads it; it holds no tests to rewrite)"""
 

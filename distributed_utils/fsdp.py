@@ -51,7 +51,7 @@ class _Unit:
 def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):
     """Collective: ``module`` (in place, returned) keeps of each of its own parameters this rank's shard of
     rank 0's values, gathered whole (in ``compute_dtype``) at each call; its backward pass gives the
-    shards' gradients, averaged over the ranks. Blocks first, then the root. README: the details."""
+    shards' gradients, averaged over the ranks. Blocks first, then the root. docs/guides/fsdp.md: the details."""
     check_backend(backend)
     if not isinstance(module, nn.Module):
         raise TypeError(f"du.fully_shard: expected an mlx.nn.Module, got {type(module).__name__}")

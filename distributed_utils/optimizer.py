@@ -127,7 +127,7 @@ class DistributedOptimizer(Plain, optim.Optimizer):
                 raise ValueError(
                     f"DistributedOptimizer: a fully sharded model's gradients are averaged in its "
                     f"backward pass, before update() sees them: {bad[0]} cannot apply (to weight the ranks, "
-                    "scale each rank's loss by N * w_r / sum(w): README)"
+                    "scale each rank's loss by N * w_r / sum(w): docs/guides/fsdp.md)"
                 )
         shards = {k: v for k, v in every.items() if v[1] is self.backend}  # reduced already
         if not self._checked and evaluate(parameters):  # every rank starts alike (not while MLX traces)
