@@ -1,7 +1,6 @@
 """MPIBackend: collectives through mpi4py on host buffers (Open MPI from the pip wheel by default)."""
 
 import contextlib
-import threading
 
 import mlx.core as mx
 import numpy as np
@@ -37,8 +36,6 @@ class MPIBackend(AbstractBackend):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
         self._traced = None  # the MLXMPIBackend that runs the collectives of traced functions
-        self._sending = None  # the thread of the last start_sum, while in flight
-        self._taken = []  # the spans of memory the start_sums in flight reduce in
 
     def _while_tracing(self, arrays):
         """None when ``arrays`` can be evaluated, else (MLX traces) MLX's MPI backend on these processes."""
@@ -69,8 +66,8 @@ class MPIBackend(AbstractBackend):
         return [_like(w, a) for w, a in zip(work, arrays)]
 
     def start_sum(self, arrays, scale=1.0, in_place=False):
-        # The MPI calls on a thread of their own (numpy's memory: no MLX there) while this rank computes; a
-        # thread a call, each after the one before it (collectives go in the same order on every rank).
+        # Summed now, on this thread: on a thread of their own, Open MPI's sums beside MLX's computation
+        # made a step 1.7-3.8x slower on this 2-core machine (benchmarks/overlap.py).
         traced = self._while_tracing(arrays)
         if traced is not None:
             return traced.start_sum(arrays, scale)
@@ -78,32 +75,10 @@ class MPIBackend(AbstractBackend):
         if not in_place:  # scaled by MLX into memory of its own: MLX may still read the arrays' memory (a
             arrays, scale = [widened(a) * scale for a in arrays], 1.0  # view of it) for what it computes next
             mx.eval(arrays)
-        if self._sending is None:  # none in flight: the memory they reduce in is theirs again
-            self._taken = []
-        work, views = _buffers(arrays, True, self._taken)  # (not the memory of a sum in flight)
-        before, error = self._sending, []
-
-        def send():  # (after a sum that failed, none is waited for: the first failure is raised)
-            if before is not None:
-                before.join()
-            try:
-                self._reduce_in_place(views, "sum", scale)
-            except BaseException as e:  # (raised where the sums are waited for)
-                error.append(e)
-
-        thread = threading.Thread(target=send, name="du-mpi-sum", daemon=True)  # (never blocks the exit)
-        thread.start()
-        self._sending = thread
-
-        def done():
-            thread.join()
-            if self._sending is thread:
-                self._sending = None
-            if error:
-                raise error[0]
-            return [_like(w, a) for w, a in zip(work, given)]
-
-        return done
+        work, views = _buffers(arrays, True)
+        self._reduce_in_place(views, "sum", scale)
+        out = [_like(w, a) for w, a in zip(work, given)]
+        return lambda: out
 
     def _reduce_in_place(self, views, op, scale):
         """The MPI calls of an all-reduce of ``views`` (numpy, or None: nothing to send) in their own memory."""
@@ -147,15 +122,12 @@ class MPIBackend(AbstractBackend):
         return MPIBackend(self.comm.Split(color, self.rank))
 
 
-def _buffers(arrays, in_place, taken=None):
+def _buffers(arrays, in_place):
     """What an all-reduce of ``arrays`` reduces in (``work``, as returned) and the numpy views of it that MPI
-    writes (None: nothing to send); ``in_place``: the arrays are handed over; ``taken``: the spans of memory
-    that other sums in flight reduce in."""
+    writes (None: nothing to send); ``in_place``: the arrays are handed over."""
     # Decide (and copy) everything before overwriting anything: arrays may share memory.
     # Only the copying depends on this rank; the MPI calls depend on dtypes and sizes alone.
-    if taken is None and len(arrays) > 1:
-        taken = []
-    work, views = [], []
+    work, views, taken = [], [], [] if len(arrays) > 1 else None
     for a in arrays:
         if isinstance(a, np.ndarray):  # (host_buffers) reduced in a, handed over, or in a C-ordered copy
             wide = np.float32 if a.dtype == np.float16 else a.dtype
