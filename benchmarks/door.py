@@ -55,7 +55,7 @@ def main():
     raw_of_mx = "allreduce of an mx.array" if "allreduce of an mx.array" in raw else "allreduce"
 
     def watched():
-        with watchdog.Collective(backend.rank, "allreduce", ("sum",), m):
+        with watchdog.Collective(backend, "allreduce", ("sum",), m):
             raw["allreduce"]()
 
     rows = {

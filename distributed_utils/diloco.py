@@ -33,7 +33,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
             "sparse" / ``du.SparseCodec(k, chunk, bits, decay)`` (sparse.py): then the default outer
             optimizer is ``optim.SGD(1.0)`` and a delayed fragment's all-gather is made at its start.
         fragment_sync_delay: tau < H // F: a fragment's all-reduce starts tau steps before its
-            sync and travels while the ranks compute (MLX: on the group's stream; MPIBackend: on a thread).
+            sync and travels while the ranks compute (MLX: on the group's stream; MPIBackend's is summed at once).
         fragment_update_alpha: after a sync a rank's fragment is ``global + alpha * (local - global)``.
 
     ``update(model, grads, weight=w)`` weights the outer average by each rank's weights since
