@@ -110,8 +110,8 @@ def barrier(backend):
 
 def reduce_scatter_sum(backend, x, scale: float = 1.0):
     """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``."""
-    primitive = backend.reduce_scatter
-    return run_collective(backend, "reduce_scatter", x, lambda a: primitive(a, scale), *_shown("sum", scale))
+    details = _shown("sum", scale)
+    return run_collective(backend, "reduce_scatter", x, lambda a: backend.reduce_scatter(a, scale), *details)
 
 
 def _shown(op, scale) -> tuple:
@@ -137,13 +137,13 @@ def allreduce_arrays(backend, arrays: list, op, scale=1.0, in_place=False, what=
 
 def start_sum(backend, arrays: list, scale: float = 1.0, in_place=False) -> "Started":
     """Collective: start the sum across ranks of each of ``arrays`` times ``scale`` on the backend's
-    communication stream (MLX) or thread (MPI), while this rank computes on (``in_place``: the arrays are
+    communication stream (MLX; MPIBackend sums at once), while this rank computes on (``in_place``: the arrays are
     handed over, and no computation to come reads their memory). Several may be in flight: they travel in
     the order started. ``Started.wait()`` gives the sums; any other collective waits for every sum in flight
     first (one thread drives a transport at a time)."""
-    begin = backend.start_sum
+    details = _shown("sum", scale)
     return run_collective(
-        backend, "start_sum", arrays, lambda a: begin(a, scale, in_place), *_shown("sum", scale), start=True
+        backend, "start_sum", arrays, lambda a: backend.start_sum(a, scale, in_place), *details, start=True
     )
 
 

@@ -3,8 +3,8 @@
 Collectives are lazy graph nodes on a communication stream of the group's own, on the CPU (NCCL's on
 the GPU: on a Mac, macOS's GPU watchdog can kill a GPU stream that waits on the network): one thread
 drives the group's sockets, and the rank's computation on the default stream goes on meanwhile.
-Broadcast is an integer all_sum of
-root's bits (exact for NaN payloads and -0.0); prod gathers and multiplies."""
+Broadcast is an integer all_sum of root's bits (exact for NaN payloads and -0.0); prod gathers and
+multiplies."""
 
 import contextlib
 import os
