@@ -31,8 +31,9 @@ def pytest_configure(config):
     os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="du-tests-cache-"))
     config.addinivalue_line(
         "markers",
-        "world(min_size=1, backend=None): a test for worlds of at least min_size ranks (and of "
-        "this backend class); deselected in the others, where it cannot mean anything",
+        "world(min_size=1, max_size=None, backend=None): a test for worlds of min_size to max_size ranks "
+        "(and of this backend class); deselected in the others, where it cannot mean anything (max_size=1: "
+        "what a rank does alone, before any collective, which every world would repeat)",
     )
 
 
@@ -42,7 +43,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         marker = item.get_closest_marker("world")
         wanted = marker.kwargs if marker else {}
-        fits = backend.size >= wanted.get("min_size", 1) and isinstance(
+        sizes = range(wanted.get("min_size", 1), (wanted.get("max_size") or backend.size) + 1)
+        fits = backend.size in sizes and isinstance(
             backend, wanted.get("backend") or du.AbstractBackend
         )
         keep.append(fits)

@@ -162,7 +162,7 @@ def import_example(path):
     return module
 
 
-@pytest.mark.parametrize("backend", ["ring", "mpi"])
+@pytest.mark.parametrize("backend", ["ring"])  # (the example's transport: tests/distributed covers each)
 def test_lora_example_steps_like_mlx_lm_trainer_and_resumes_exactly(backend, tmp_path):
     """The LoRA example on 2 ranks against mlx-lm's own trainer (one process, fed the same
     global batches): the same per-token loss at every step. Then the run cut in two by a
