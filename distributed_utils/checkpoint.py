@@ -22,7 +22,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import fsdp, watchdog
-from .arrays import MX_DTYPES, bits, show, signature, to_mx
+from .arrays import MX_DTYPES, bits, dtype_name, show, signature, to_mx
 from .collectives import allgather, barrier, check_backend, check_count, root_runs
 from .state import of
 from .synchronize import synchronize
@@ -30,6 +30,7 @@ from .tree import describe
 
 FORMAT = "distributed_utils.checkpoint/3"  # (3: each array's CRC-32s, one per piece; one int read too)
 _FORMAT_1 = "distributed_utils.checkpoint/1"  # (read too: without the checksum of the metadata)
+SAFETENSORS_NAMES = {"bool": "BOOL", "bfloat16": "BF16"}  # (the others: F32, U8, ...: a letter, the bits)
 _PIECE_BYTES = 64 * 2**20  # the most one write takes; a barrier after each of rank 0's; fsync every 4
 
 
@@ -65,12 +66,14 @@ def save_checkpoint(
         check_count(keep, 1, "save_checkpoint: keep")
         check_count(step, 0, "save_checkpoint(keep=...): step")
         folder, path = path, path / f"step-{step:012d}.safetensors"
-    arrays = {}
-    if model is not None:  # (a fully sharded model's parameters and their state: shards, written whole)
+    arrays, layouts = {}, {"model": shards, "optimizer": shards}  # (each rank's shards, written whole)
+    if model is not None:
         arrays.update(_flat("model", model.trainable_parameters() if trainable_only else model.parameters()))
     state = None if optimizer is None else of(optimizer)
-    if state is not None:
-        arrays.update(_flat("optimizer", state.whole_state()))
+    if state is not None:  # (a plain optimizer of a fully sharded model holds shards by the model's layout)
+        held, layout = state.held_state()
+        layouts["optimizer"] = {**shards, **layout}
+        arrays.update(_flat("optimizer", held))
     meta = dict(format=FORMAT, step=step, extra=extra, world_size=backend.size, trainable_only=trainable_only)
     meta["data"] = data.state_dict() if hasattr(data, "state_dict") else data
     meta["optimizer"] = None if state is None else state.rule_name()
@@ -88,7 +91,7 @@ def save_checkpoint(
             old.unlink()
 
     stale = ".step-*.safetensors.tmp-*" if keep is not None else None  # (in a keep folder: any step's)
-    _write(backend, path, arrays, _wholes(arrays, shards), meta_json, prune if keep else None, stale)
+    _write(backend, path, arrays, _wholes(arrays, layouts), meta_json, prune if keep else None, stale)
 
 
 def _write(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then=None, stale=None):
@@ -151,7 +154,7 @@ def _write_arrays(backend, writer, arrays: dict, wholes: dict, specs, counts, of
                     writer.write((key, r), offsets[key] + start * dtype.size, data)
                 if owner == 0:
                     before, written = written, written + (stop - start) * dtype.size
-                    if before // _PIECE_BYTES < written // _PIECE_BYTES:
+                    if _crossed(before, written, _PIECE_BYTES):
                         barrier(backend)
 
 
@@ -166,9 +169,7 @@ class _Writer:
     def write(self, piece, offset: int, data):
         self.crcs[piece] = zlib.crc32(data, self.crcs.get(piece, 0))
         before, self.written = self.written, self.written + data.nbytes
-        sync = before // (4 * _PIECE_BYTES) < self.written // (
-            4 * _PIECE_BYTES
-        )  # (the last fsync stays short)
+        sync = _crossed(before, self.written, 4 * _PIECE_BYTES)  # (fsynced as it goes: the last one is short)
         self._do(lambda: self.file.seek(offset), lambda: _write_pieces(self.file, data, sync))
 
     def close(self):
@@ -236,16 +237,20 @@ def _shards(backend, model, optimizer, who) -> dict:
     return fsdp.sharded(model, None if optimizer is None else who)
 
 
-def _wholes(keys, shards: dict, sectioned=True) -> dict:
-    """``{key: (whole shape, backend)}`` for the ``keys`` ("model.w", or "w" if not ``sectioned``) of shards."""
-    params = {key: fsdp.param_key(key.partition(".")[2] if sectioned else key, shards) for key in keys}
-    return {key: shards[param] for key, param in params.items() if param is not None}
+def _wholes(keys, layouts: dict) -> dict:
+    """``{key: (whole shape, backend)}`` for the ``keys`` ("model.w": a section's) at the shards of their
+    section's layout (``layouts[section]``, ``{parameter key: (whole shape, backend)}``)."""
+    out = {}
+    for section, shards in layouts.items():
+        inner = {key.partition(".")[2]: key for key in keys if key.startswith(section + ".")}
+        out.update({inner[k]: whole for k, whole in fsdp.layout_of(inner, shards).items()})
+    return out
 
 
 def _delivered(backend, arrays, saved: dict, shards: dict) -> dict:
     """Collective: rank 0's ``arrays`` (``saved``: their signatures) on every rank, sent about
     ``_PIECE_BYTES`` at a time; of a fully sharded model's whole arrays, this rank's shard only."""
-    out, chunk, size, wholes = {}, {}, 0, _wholes(saved, shards)
+    out, chunk, size, wholes = {}, {}, 0, _wholes(saved, {"model": shards, "optimizer": shards})
     for n, (key, (dtype, shape)) in enumerate(saved.items(), 1):
         chunk[key] = arrays.pop(key) if backend.rank == 0 else mx.zeros(shape, MX_DTYPES[dtype])
         size += chunk[key].nbytes
@@ -325,10 +330,8 @@ def _header(specs: dict, metadata: dict, crcs: dict) -> bytes:
     metadata["header_crc32"] = _header_crc(metadata, specs)
     header, start = {"__metadata__": metadata}, 0
     for key, (dtype, shape) in specs.items():
-        name = str(dtype).rpartition(".")[2]  # safetensors' names: F32, BF16, U8, BOOL, ...
-        name = {"bool": "BOOL", "bfloat16": "BF16"}.get(
-            name, name[0].upper() + "".join(filter(str.isdigit, name))
-        )
+        name = dtype_name(dtype)  # safetensors' names: F32, BF16, U8, BOOL, ...
+        name = SAFETENSORS_NAMES.get(name, name[0].upper() + "".join(filter(str.isdigit, name)))
         end = start + math.prod(shape) * dtype.size
         header[key] = {"dtype": name, "shape": list(shape), "data_offsets": [start, end]}
         start = end
@@ -343,11 +346,16 @@ def _header_crc(metadata: dict, specs: dict) -> str:
 
 
 def _write_pieces(f, data, sync: bool):
-    """``data`` written at ``f``'s position (``sync``: then flushed and fsynced, so the last fsync stays short)."""
+    """``data`` written at ``f``'s position (``sync``: then flushed and fsynced)."""
     f.write(memoryview(data).cast("B"))
     if sync:
         f.flush()
         os.fsync(f.fileno())
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    """Whether a count going from ``before`` to ``after`` passed a multiple of ``every``."""
+    return before // every < after // every
 
 
 def _checkpoints_in(folder: Path) -> list:
@@ -457,5 +465,5 @@ def save_adapters(backend, path, model, config=None, *, trainable_only=True):
     config_file = path.parent / "adapter_config.json"
     write_config = None if config is None else lambda: config_file.write_text(json.dumps(config, indent=4))
     arrays = dict(tree_flatten(model.trainable_parameters() if trainable_only else model.parameters()))
-    wholes = _wholes(arrays, shards, sectioned=False)
+    wholes = fsdp.layout_of(arrays, shards)
     _write(backend, path, arrays, wholes, json.dumps({"format": "adapters"}), write_config)

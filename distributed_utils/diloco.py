@@ -106,8 +106,6 @@ class DiLoCo(OptimizerState, optim.Optimizer):
     def initialized(self) -> bool:
         return self._global is not None
 
-    shared_state, set_shared_state = state.fget, state.fset  # (synchronize sends root's whole state)
-
     def init(self, parameters):
         """Local: start from ``parameters`` (those with gradients); the first ``update`` calls it."""
         leaves = floating_leaves(parameters, "DiLoCo.init(parameters)")

@@ -312,6 +312,19 @@ def whole_shapes(tree, shards: dict):
     return _at_shards(tree, shards, lambda a, shape, _: mx.zeros(shape, a.dtype))
 
 
+def layout_of(keys, shards: dict) -> dict:
+    """``{key: (whole shape, backend)}`` for each of ``keys`` at or under a parameter key of ``shards``."""
+    params = {key: param_key(key, shards) for key in keys}
+    return {key: shards[param] for key, param in params.items() if param is not None}
+
+
+def split_at_shards(tree, shards: dict) -> tuple:
+    """``tree``'s flat ``(key, leaf)`` pairs: ``(those at or under a key of shards, the others)``."""
+    flat = tree_flatten(tree)
+    at = [(k, v) for k, v in flat if param_key(k, shards) is not None]
+    return at, [(k, v) for k, v in flat if param_key(k, shards) is None]
+
+
 def _at_shards(tree, shards, fn):
     """``tree`` with ``fn(array, whole shape, backend)`` for each array at (or under) a key of ``shards``."""
     if not shards:

@@ -55,7 +55,10 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         self.sharded = bool(shard_optimizer_state)
         if self.sharded:
             fsdp.check_elementwise(optimizer, "DistributedOptimizer(shard_optimizer_state=True)")
-        self._layout = {}  # sharded: {key: (whole shape, backend)}, for fsdp.whole_tree
+        # {key: (whole shape, backend)}: the parameters whose state this rank holds as shards, ZeRO-1's
+        # (at init) or a fully sharded model's (at the first update); its held_state's layout
+        self._layout = {}
+        self._fully_sharded = None  # the model's fully sharded parameters (fsdp.sharded), at the first update
         self._checked = False  # the ranks' parameters and settings, at the first update
         self._sum, self._weight, self._calls = None, None, 0  # this accumulation cycle's, on this rank
 
@@ -76,17 +79,25 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         self._layout = {k: (a.shape, self.backend) for k, a in flat}
         return tree_unflatten([(k, fsdp.shard_of(a, self.backend.size, self.backend.rank)) for k, a in flat])
 
-    def shared_state(self) -> dict:
-        return scalars(self.state) if self.sharded else self.state  # (sharded: each its shards)
+    def shared_state(self) -> dict:  # (the entries of shards: each rank its own)
+        return tree_unflatten(fsdp.split_at_shards(self.state, self._layout)[1])
 
     def set_shared_state(self, state: dict):
-        self.state = {**self.state, **state} if self.sharded else state
+        self.state = tree_unflatten(
+            list({**dict(tree_flatten(self.state)), **dict(tree_flatten(state))}.items())
+        )
 
     def whole_state(self) -> dict:
-        return fsdp.whole_tree(self.state, self._layout) if self.sharded else self.state
+        return fsdp.whole_tree(*self.held_state())
+
+    def held_state(self) -> tuple:
+        return self.state, self._layout
 
     def load_whole_state(self, state: dict, model=None):
-        if self.sharded and has_entries(state):  # (the shapes of the whole state's entries)
+        """(a fully sharded ``model``'s entries: this rank's shards, as a checkpoint delivers them)"""
+        if model is not None and fsdp.sharded(model):
+            self._take_fully_sharded(model)
+        elif self.sharded and has_entries(state):  # (the shapes of the whole state's entries)
             entries = tree_flatten({k: v for k, v in state.items() if k not in scalars(state)})
             self._layout = {k.rpartition(".")[0]: (a.shape, self.backend) for k, a in entries}
             state = fsdp.shard_tree(state, self._layout)
@@ -114,22 +125,17 @@ class DistributedOptimizer(Plain, optim.Optimizer):
 
     def _step(self, gradients, parameters, target, weight):
         """The updated parameters (of ``target``: the model or ``parameters``), or None while accumulating."""
-        if not isinstance(target, nn.Module) and fsdp.any_alive():
+        if self._fully_sharded is None:  # the path, decided at the first update (a traced one too)
+            self._take_fully_sharded(target)
+        options = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.sharded}
+        bad = [name for name, yes in {**options, "weight=": weight is not None}.items() if yes]
+        if self._fully_sharded and bad:
             raise ValueError(
-                "DistributedOptimizer.apply_gradients cannot tell shards from the rest: use update"
+                f"DistributedOptimizer: a fully sharded model's gradients are averaged in its backward pass, "
+                f"before update() sees them: {bad[0]} cannot apply (to weight the ranks, scale each rank's "
+                "loss by N * w_r / sum(w): docs/guides/fsdp.md)"
             )
-        every = fsdp.sharded(target)  # (their gradients, averaged in the backward pass: no weight, no op)
-        if every:  # (checked at every call: a traced one, in mx.compile, too)
-            fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
-            why = {"op='sum'": self.reduction.op != "avg", "shard_optimizer_state=True": self.sharded}
-            bad = [name for name, yes in {**why, "weight=": weight is not None}.items() if yes]
-            if bad:
-                raise ValueError(
-                    f"DistributedOptimizer: a fully sharded model's gradients are averaged in its "
-                    f"backward pass, before update() sees them: {bad[0]} cannot apply (to weight the ranks, "
-                    "scale each rank's loss by N * w_r / sum(w): docs/guides/fsdp.md)"
-                )
-        shards = {k: v for k, v in every.items() if v[1] is self.backend}  # reduced already
+        shards = {k for k, (_, backend) in self._fully_sharded.items() if backend is self.backend}  # reduced
         if not self._checked and evaluate(parameters):  # every rank starts alike (not while MLX traces)
             fsdp.check_mlx_sharding(self.backend, target, "DistributedOptimizer")
             mine = dict(optimizer=rule_settings(self.optimizer), accumulate_steps=self.accumulate_steps)
@@ -150,6 +156,19 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         if replicated:
             flat.update(self.reduction.reduce(replicated, scale=scale, weight=weight, what=what).wait())
         return self.optimizer.apply_gradients(tree_unflatten(list(flat.items())), target)
+
+    def _take_fully_sharded(self, target):
+        """``target``'s fully sharded parameters (a model's: ``fsdp.sharded``): the layout of their state;
+        those of this backend's units are reduced in their backward pass, not here."""
+        if not isinstance(target, nn.Module) and fsdp.any_alive():
+            raise ValueError(
+                "DistributedOptimizer.apply_gradients cannot tell shards from the rest: use update"
+            )
+        every = fsdp.sharded(target)
+        if every:
+            fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
+            self._layout = every
+        self._fully_sharded = every
 
     def _sharded_step(self, gradients, parameters, scale, weight, what):
         """ZeRO-1: this rank's shards of the reduced gradients step its parameters' shards, all-gathered."""

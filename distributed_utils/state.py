@@ -10,7 +10,8 @@ from mlx.optimizers import MultiOptimizer, Optimizer
 
 
 class OptimizerState:
-    """What ``synchronize`` and checkpoints ask of an optimizer: every method, each subclass defines."""
+    """What ``synchronize`` and checkpoints ask of an optimizer. Each subclass defines ``rule_name`` and
+    ``initialized``; the others default to a state replicated in ``self.state``, the same on every rank."""
 
     def rule_name(self) -> str:
         """The update rule's class name, which a checkpoint records and checks at load."""
@@ -20,43 +21,27 @@ class OptimizerState:
 
     def shared_state(self) -> dict:
         """The part of the state that every rank holds alike (``synchronize`` sends root's)."""
+        return self.state
 
     def set_shared_state(self, state: dict):
         """Set ``shared_state()``'s part."""
+        self.state = state
 
     def whole_state(self) -> dict:
         """Collective: the whole state, the same on every rank, as a checkpoint holds it (it loads
         at any world size); before the first update too."""
+        return self.state
+
+    def held_state(self) -> tuple:
+        """``(this rank's state as it holds it, its shard layout)``: the layout ``{parameter key: (whole
+        shape, backend)}`` names the parameters whose entries this rank holds as its shards (``fsdp.shard_of``:
+        ZeRO-1's, a fully sharded model's); ``fsdp.whole_tree`` of the two is ``whole_state()``. A checkpoint
+        writes each rank's shards where they are."""
+        return self.whole_state(), {}
 
     def load_whole_state(self, state: dict, model=None):
         """Set the state from ``whole_state()``'s form (``model``: for wrappers that set parameters)."""
-
-
-class Plain(OptimizerState):
-    """A plain ``mlx.optimizers.Optimizer``'s state (``.optimizer``), the same whole state on every rank."""
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-
-    def rule_name(self) -> str:
-        return type(self.optimizer).__name__
-
-    def initialized(self) -> bool:
-        if isinstance(self.optimizer, MultiOptimizer):
-            return all(Plain(o).initialized() for o in self.optimizer.optimizers)
-        return has_entries(self.optimizer.state)
-
-    def shared_state(self) -> dict:  # (replicated: the shared state is the whole state)
-        return self.optimizer.state
-
-    def whole_state(self) -> dict:
-        return self.optimizer.state
-
-    def set_shared_state(self, state: dict):
-        self.optimizer.state = state
-
-    def load_whole_state(self, state: dict, model=None):
-        self.optimizer.state = state
+        self.state = state
 
 
 def forwarded(name: str, to: str) -> property:
@@ -65,6 +50,23 @@ def forwarded(name: str, to: str) -> property:
     return property(
         lambda self: getattr(getattr(self, to), name), lambda self, v: setattr(getattr(self, to), name, v)
     )
+
+
+class Plain(OptimizerState):
+    """A plain ``mlx.optimizers.Optimizer``'s state (``.optimizer``), the same whole state on every rank."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    state = forwarded("state", to="optimizer")
+
+    def rule_name(self) -> str:
+        return type(self.optimizer).__name__
+
+    def initialized(self) -> bool:
+        if isinstance(self.optimizer, MultiOptimizer):
+            return all(Plain(o).initialized() for o in self.optimizer.optimizers)
+        return has_entries(self.optimizer.state)
 
 
 def rule_settings(optimizer) -> dict:

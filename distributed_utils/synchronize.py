@@ -60,9 +60,8 @@ def _synchronize_tree(backend, tree, root, what, shards=None):
     if backend.size == 1:
         return tree
     if shards:
-        own = [(k, v) for k, v in tree_flatten(tree) if fsdp.param_key(k, shards) is not None]
-        shared = {k: v for k, v in tree_flatten(tree) if fsdp.param_key(k, shards) is None}
-        return tree_unflatten(list(_synchronize_tree(backend, shared, root, what).items()) + own)
+        own, shared = fsdp.split_at_shards(tree, shards)
+        return tree_unflatten(list(_synchronize_tree(backend, dict(shared), root, what).items()) + own)
     # Only the arrays must agree: each rank receives into buffers the size of its own arrays.
     verify_same_structure(backend, [(k, s) for k, s in describe(tree) if isinstance(s, tuple)], what)
     skeleton = root_runs(backend, lambda: _map(_stand_in, tree), root, TypeError, f"send {what}")

@@ -152,13 +152,19 @@ def test_like_the_replicated_optimizer_bit_for_bit_at_two_ranks(backend):
     """The same sums of the same gradients, scaled alike (at 3 or more ranks a sum's order may
     differ from the all-reduce's: to rounding)."""
     _, mine = batches(backend)
-    model = train(sharded(backend, net()), du.DistributedOptimizer(backend, optim.AdamW(1e-2)), mine)
-    replicated = train(net(), du.DistributedOptimizer(backend, optim.AdamW(1e-2)), mine)
+    opt, replicated_opt = (du.DistributedOptimizer(backend, optim.AdamW(1e-2)) for _ in range(2))
+    model = train(sharded(backend, net()), opt, mine)
+    replicated = train(net(), replicated_opt, mine)
     expected = dict(tree_flatten(replicated.parameters()))
+    # the optimizer's whole_state is whole (its shards gathered), as the replicated optimizer's state
+    expected_state, state = dict(tree_flatten(replicated_opt.state)), dict(tree_flatten(opt.whole_state()))
+    assert state.keys() == expected_state.keys()
+    assert all(state[k].shape == a.shape for k, a in expected_state.items())
     if backend.size > 2:
+        assert_close(state, expected_state, atol=1e-6)
         return assert_close(whole(model), expected, atol=1e-6)
-    for key, a in whole(model).items():
-        assert mx.array_equal(a, expected[key]).item(), key
+    for key, a in {**whole(model), **state}.items():
+        assert mx.array_equal(a, {**expected, **expected_state}[key]).item(), key
 
 
 def test_each_rank_holds_one_nth_of_the_parameters_and_state(backend):
