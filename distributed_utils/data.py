@@ -224,11 +224,8 @@ class DistributedDataContainer:
     def _counted(self, how, before, batch_size, start, batches, auto=False):
         """``batches``, keeping ``state_dict`` current; ``auto``: the rest re-split once speeds are known."""
         drop_last = how["drop_last"]
-        self.epoch, self._before, self._part = (
-            how["epoch"],
-            before,
-            (self.world_size, batch_size, start, drop_last),
-        )
+        self.epoch, self._before = how["epoch"], before
+        self._part = (self.world_size, batch_size, start, drop_last)
         clock = []  # (seconds, seconds in collectives) at each hand-out
         for batch in batches:
             self._part = (self.world_size, batch_size, self._part[2] + 1, drop_last)
@@ -240,11 +237,8 @@ class DistributedDataContainer:
                     yield from self._sized_batches(how, [*before, done], sizes, 0)
                     return
             yield batch
-        self.epoch, self._before, self._part = (
-            how["epoch"] + 1,
-            [],
-            (self.world_size, batch_size, 0, drop_last),
-        )
+        self.epoch, self._before = how["epoch"] + 1, []
+        self._part = (self.world_size, batch_size, 0, drop_last)
 
     def _fetch(self, idx):
         """The batch of global indices ``idx`` (a numpy int array): stacked, or collated."""

@@ -41,11 +41,8 @@ class _Unit:
 
     def __init__(self, backend, shapes, compute_dtype, recompute, index):
         self.backend, self.shapes, self.index, self.calls = backend, shapes, index, 0
-        self.compute_dtype, self.recompute, self.reduction = (
-            compute_dtype,
-            recompute,
-            Reduction(backend, "avg"),
-        )
+        self.compute_dtype, self.recompute = compute_dtype, recompute
+        self.reduction = Reduction(backend, "avg")
 
 
 def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):

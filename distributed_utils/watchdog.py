@@ -167,11 +167,8 @@ def _finished(region):
     _state.inflight.pop(region, None)
     if region.seq:
         _state.waited, _state.sent = _state.waited + end - region.start, _state.sent + nbytes
-        _state.done, _state.first, _state.last = (
-            f"#{region.seq}{region.group}",
-            _state.first or region.start,
-            end,
-        )
+        _state.done, _state.last = f"#{region.seq}{region.group}", end
+        _state.first = _state.first or region.start
     if _state.timeline is not None:
         _state.timeline.append((region.seq, region.group.strip(), region.what, region.start, end, nbytes))
 

@@ -44,9 +44,7 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("world")
         wanted = marker.kwargs if marker else {}
         sizes = range(wanted.get("min_size", 1), (wanted.get("max_size") or backend.size) + 1)
-        fits = backend.size in sizes and isinstance(
-            backend, wanted.get("backend") or du.AbstractBackend
-        )
+        fits = backend.size in sizes and isinstance(backend, wanted.get("backend") or du.AbstractBackend)
         keep.append(fits)
     config.hook.pytest_deselected(items=[item for item, fits in zip(items, keep) if not fits])
     items[:] = [item for item, fits in zip(items, keep) if fits]
