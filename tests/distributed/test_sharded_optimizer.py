@@ -147,13 +147,19 @@ def test_a_compiled_step_with_the_sharded_update_inside(backend):
     assert_bit_identical(model, replicated)
 
 
-def test_a_checkpoint_of_a_sharded_state_loads_replicated_or_sharded_and_resumes(backend, tmp_path):
+def test_a_checkpoint_of_a_sharded_state_loads_replicated_or_sharded_and_resumes(
+    backend, tmp_path, monkeypatch
+):
     path = du.bcast(backend, str(tmp_path / "ck"))  # rank 0's directory
     _, mine = reference_and_mine(backend, batch=2, steps=4)
     whole_run = train(mlp(), sharded(backend, optim.AdamW(1e-2)), mine)
     model, opt = mlp(), sharded(backend, optim.AdamW(1e-2))
     train(model, opt, mine[:2])
+    gathered = []  # (each rank writes its shards' bytes where it sees the file: no gather of the state)
+    monkeypatch.setattr(du.fsdp, "gather", lambda *a, **k: gathered.append(a))
     du.save_checkpoint(backend, path, model=model, optimizer=opt, step=2)
+    monkeypatch.undo()
+    assert gathered == []
     replicated = du.DistributedOptimizer(backend, optim.AdamW(1e-2))
     du.load_checkpoint(backend, path, optimizer=replicated)
     assert_same_state(opt.whole_state(), replicated.state)
