@@ -38,6 +38,9 @@ CONFIGS = {  # name: DiLoCo's arguments (None: synchronous)
     "diloco H=50 int8": dict(sync_every=50, compression="int8"),
     "diloco H=50 F=5 delay=5": dict(sync_every=50, fragments=5, fragment_sync_delay=5),
     "diloco H=50 sparse": dict(sync_every=50, compression="sparse"),  # SparseLoCo's defaults, outer SGD(1.0)
+    "diloco H=30": dict(sync_every=30),  # (the codecs at SparseLoCo's H)
+    "diloco H=30 int8": dict(sync_every=30, compression="int8"),
+    "diloco H=30 sparse": dict(sync_every=30, compression="sparse"),
     "local (no sync)": dict(sync_every=10**9),  # the bytes every run sends besides its syncs
 }
 CHECK_EVERY = 10  # steps between two budget checks (a collective: it would end a delayed sync's overlap)

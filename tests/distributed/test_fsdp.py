@@ -3,7 +3,6 @@ their batches (and bit for bit like the replicated DistributedOptimizer), each r
 1/N of the parameters, gradients and optimizer state; frozen parameters, compute dtypes,
 clipping, checkpoints, groups, and MLX's own sharded layers."""
 
-import contextlib
 import gc
 import re
 import math
@@ -342,14 +341,19 @@ def test_a_fully_sharded_module_left_as_garbage_does_not_count(backend):
     garbage collector has not reached yet is no reason to refuse an optimizer without model=: the refusal
     collects the garbage before it decides. (Local checks: another test's module may live a moment longer
     on some ranks, and then the refusal rightly holds.)"""
+    gc.collect()
+    others = fsdp.any_alive()  # (another test's module, still held: then the refusal rightly holds)
     gc.disable()
     try:
         cycle = [sharded(backend, net())]
         cycle.append(cycle)
         module = weakref.ref(cycle[0])
         del cycle
-        with contextlib.suppress(ValueError):  # (only while another module truly lives)
-            fsdp.sharded(None, "du.synchronize(DistributedOptimizer)")
+        if others:
+            with pytest.raises(ValueError, match="pass model="):
+                fsdp.sharded(None, "du.synchronize(DistributedOptimizer)")
+        else:
+            assert fsdp.sharded(None, "du.synchronize(DistributedOptimizer)") == {}  # no refusal
         assert module() is None  # collected before the decision: the garbage did not count
     finally:
         gc.enable()
@@ -524,14 +528,15 @@ def test_a_compiled_step_trains_like_the_uncompiled_one(backend):
     assert_close(whole(model), whole(expected), atol=1e-6)
 
 
-def test_found_by_review(backend):
-    """A float16 reduce-scatter scales before its sums (as the all-reduce: no overflow); the refusals
-    hold in a compiled step too; compute_dtype leaves integer (quantized) parameters alone; blocks
-    after their root are refused."""
+def test_a_float16_reduce_scatter_scales_before_it_sums(backend):
+    """As the all-reduce does: the sum of N halves of 40000 never overflows float16 on the way."""
     big = mx.full((4 * backend.size,), 40000.0, mx.float16)
     reduction = du.reduction.Reduction(backend, "avg")
     scattered = reduction.reduce({"g": big}, scatter=True).wait()["g"]
     assert mx.array_equal(scattered, mx.full(scattered.shape, 40000.0, mx.float16)).item()
+
+
+def test_the_refusals_hold_in_a_compiled_step(backend):
     _, mine = batches(backend, steps=1)
     model = sharded(backend, net())
     opt = du.DistributedOptimizer(backend, optim.SGD(0.1))
@@ -540,10 +545,17 @@ def test_found_by_review(backend):
     )
     with pytest.raises(ValueError, match="weight= cannot apply"):
         step(*mine[0])
+
+
+def test_compute_dtype_leaves_integer_quantized_parameters_alone(backend):
     quantized = nn.QuantizedLinear.from_linear(nn.Linear(64, 8))
     quantized.freeze()
     du.fully_shard(backend, quantized, compute_dtype=mx.bfloat16)
     assert quantized(mx.ones((2, 64))).shape == (2, 8)
+
+
+def test_a_block_sharded_after_its_root_is_refused(backend):
+    """Its parameters are shards of the root's already: sharded again, they would be cut twice."""
     root = net()
     du.fully_shard(backend, root)
     with pytest.raises(ValueError, match="inside a fully sharded one"):

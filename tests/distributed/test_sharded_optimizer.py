@@ -204,9 +204,12 @@ def test_a_gradient_tree_that_changes_after_sharding_steps_like_the_replicated_o
 
 
 @pytest.mark.parametrize("compression", [None, mx.bfloat16], ids=str)
-def test_the_reduce_scatter_path_of_nccl_and_jaccl_trains_like_one_process(backend, compression, monkeypatch):
-    """NCCL and JACCL reduce-scatter natively (not testable here); the same path, with the
-    reduce-scatter built from an all-reduce, must train like one process."""
+def test_the_path_of_transports_with_a_native_reduce_scatter_trains_like_one_process(
+    backend, compression, monkeypatch
+):
+    """NCCL and JACCL reduce-scatter natively, and ZeRO-1 then reduce-scatters (not all-reduces) the
+    gradients: that path, forced here over this transport's own reduce-scatter, trains like one process
+    (NCCL's and JACCL's own sum_scatter cannot run on this machine)."""
     monkeypatch.setattr(backend, "native_reduce_scatter", True)
     full, mine = reference_and_mine(backend, batch=3, steps=3)
     expected = train(mlp(), optim.AdamW(1e-2), full)

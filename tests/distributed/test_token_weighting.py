@@ -98,6 +98,7 @@ def test_weighted_accumulation_is_the_weighted_mean_over_calls_and_ranks(backend
     assert opt.step.item() == 2
 
 
+@pytest.mark.world(min_size=2)  # (in a world of one the mean is the value itself)
 @pytest.mark.parametrize("compression", [None, mx.bfloat16], ids=str)
 def test_reduce_gradients_with_weights_is_the_weighted_mean(backend, compression):
     n, r = du.total_workers(backend), du.local_rank(backend)
@@ -145,9 +146,9 @@ def test_a_weight_on_some_ranks_only_is_a_mismatch_on_every_rank(backend):
         du.reduce_gradients(backend, {"a": mx.ones((3,))}, weight=weight)
 
 
-def test_the_reduce_scatter_path_of_nccl_and_jaccl_weights_too(backend, monkeypatch):
-    """Sharded on a transport with a native reduce-scatter (forced here, with the
-    sum-then-slice one), the weights travel in a collective of their own."""
+def test_the_path_of_transports_with_a_native_reduce_scatter_weights_too(backend, monkeypatch):
+    """Sharded where the transport reduce-scatters natively (NCCL, JACCL; forced here over this
+    transport's own reduce-scatter), the weights travel in a collective of their own."""
     monkeypatch.setattr(backend, "native_reduce_scatter", True)
     n, r = du.total_workers(backend), du.local_rank(backend)
     steps = token_batches(11, 3, n)
