@@ -212,7 +212,6 @@ def _watch_loop():
         if _state.parent is not None and os.getppid() != _state.parent:
             rank = launched_rank() if _state.rank is None else _state.rank
             _say(f"du watchdog: rank {rank}: the launcher (pid {_state.parent}) is gone; exiting")
-            _say(record("launcher-gone", rank=rank))
             os._exit(WATCHDOG_EXIT)
         now = time.monotonic()
         if now - last > max(1.0, 8 * _POLL):  # this process did not run (SIGSTOP, a frozen VM):
