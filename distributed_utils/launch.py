@@ -73,9 +73,10 @@ def run_attempts(every_host, args) -> int:
 def run_job(hosts, command, args, attempt=0):
     """One attempt of the job: (exit code, Report, Failure or None)."""
     with tempfile.TemporaryDirectory(prefix="du-reports-") as report_dir:
-        env = job_environment(args.backend, len(hosts), report_dir, args.timeout, args.debug, attempt)
+        env = job_environment(
+            args.backend, len(hosts), report_dir, args.timeout, args.debug, attempt, args.timeline
+        )
         if args.timeline:  # (the ranks' files of an earlier job: not this one's)
-            env["DU_TIMELINE"] = os.path.abspath(args.timeline)
             for stale in glob.glob(contract.timeline_path(glob.escape(env["DU_TIMELINE"]), "*")):
                 os.unlink(stale)
         if args.account:  # (an earlier job's: this one may end without an account)

@@ -27,7 +27,7 @@ _RECORD = "du-launch-record "
 
 
 def job_environment(
-    backend: str, world_size: int, report_dir: str, timeout=None, debug=False, restart=0
+    backend: str, world_size: int, report_dir: str, timeout=None, debug=False, restart=0, timeline=None
 ) -> dict:
     """What the launcher adds to every rank's environment (a ring rank's: and ``ring_rank_environment``'s)."""
     env = {k: os.environ[k] for k in ("DU_TIMEOUT", "DU_DEBUG") if k in os.environ}
@@ -43,6 +43,8 @@ def job_environment(
         env["DU_TIMEOUT"] = str(timeout)
     if debug:
         env["DU_DEBUG"] = "1"
+    if timeline:  # (--timeline FILE: each rank's at exit, see ``timeline_path``)
+        env["DU_TIMELINE"] = os.path.abspath(timeline)
     if backend in ("mpi", "mlx-mpi"):
         if lib := os.environ.get("MLX_MPI_LIBNAME") or libmpi_path():
             env["MLX_MPI_LIBNAME"] = lib
