@@ -94,7 +94,7 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         return self.state, self._layout
 
     def load_whole_state(self, state: dict, model=None):
-        """(a fully sharded ``model``'s entries: this rank's shards, as a checkpoint delivers them)"""
+        """Set from whole_state()'s form (a fully sharded ``model``'s entries: this rank's shards, delivered)."""
         if model is not None and fsdp.sharded(model):
             self._take_fully_sharded(model)
         elif self.sharded and has_entries(state):  # (the shapes of the whole state's entries)
