@@ -10,6 +10,5 @@ if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-# (--no-compile: the .pyc of what is imported is written at its first import; installing takes half as long)
-.venv/bin/python -m pip install -q --no-compile -e ".[test,examples,lm,docs]"
+.venv/bin/python -m pip install -q -e ".[test,examples,lm,docs]"
 exec .venv/bin/python -m pytest --durations=15 "$@"
