@@ -25,7 +25,7 @@ def worker(codec, seed, sync_every, steps):
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
-    import numpy as np
+    from links import collate_bytes  # (benchmarks/links.py's model and data)
     from llama_tinystories import GeneratedStories, Llama, loss_fn
 
     import distributed_utils as du
@@ -36,15 +36,8 @@ def worker(codec, seed, sync_every, steps):
     du.synchronize(backend, model)
     opt = du.DiLoCo(backend, optim.AdamW(1e-3), sync_every=sync_every, compression=codec)
 
-    def collate(items):  # bytes, 256 as the end of text (as benchmarks/links.py)
-        tokens, mask = np.full((len(items), 33), 256, np.int32), np.zeros((len(items), 33), np.float32)
-        for i, item in enumerate(items):
-            row = (list(item["text"].encode()) + [256])[:33]
-            tokens[i, : len(row)], mask[i, : len(row)] = row, 1
-        return mx.array(tokens), mx.array(mask)
-
-    held_out = collate([GeneratedStories(64, seed=99)[i] for i in range(64)])
-    data = du.DistributedDataContainer(backend, GeneratedStories(100_000, seed=seed), collate=collate)
+    held_out = collate_bytes([GeneratedStories(64, seed=99)[i] for i in range(64)])
+    data = du.DistributedDataContainer(backend, GeneratedStories(100_000, seed=seed), collate=collate_bytes)
     loss_and_grad = nn.value_and_grad(model, loss_fn)
     average, step, synced = None, 0, None
     for tokens, mask in data.batches(4, shuffle=True):

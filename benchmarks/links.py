@@ -46,6 +46,18 @@ CONFIGS = {  # name: DiLoCo's arguments (None: synchronous)
 CHECK_EVERY = 10  # steps between two budget checks (a collective: it would end a delayed sync's overlap)
 
 
+def collate_bytes(items):
+    """Stories -> (tokens, mask): each a row of 33 bytes, 256 as the end of text (and the padding)."""
+    import mlx.core as mx
+    import numpy as np
+
+    tokens, mask = np.full((len(items), 33), 256, np.int32), np.zeros((len(items), 33), np.float32)
+    for i, item in enumerate(items):
+        row = (list(item["text"].encode()) + [256])[:33]
+        tokens[i, : len(row)], mask[i, : len(row)] = row, 1
+    return mx.array(tokens), mx.array(mask)
+
+
 def reduce_worker(args):
     import mlx.core as mx
 
@@ -69,7 +81,6 @@ def train_worker(args):
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
-    import numpy as np
     from llama_tinystories import GeneratedStories, Llama, loss_fn
 
     import distributed_utils as du
@@ -85,14 +96,7 @@ def train_worker(args):
         else du.DiLoCo(backend, optim.AdamW(1e-3), **config)
     )
 
-    def collate(items):  # bytes, 256 as the end of text
-        tokens, mask = np.full((len(items), 33), 256, np.int32), np.zeros((len(items), 33), np.float32)
-        for i, item in enumerate(items):
-            row = (list(item["text"].encode()) + [256])[:33]
-            tokens[i, : len(row)], mask[i, : len(row)] = row, 1
-        return mx.array(tokens), mx.array(mask)
-
-    data = du.DistributedDataContainer(backend, GeneratedStories(100_000), collate=collate)
+    data = du.DistributedDataContainer(backend, GeneratedStories(100_000), collate=collate_bytes)
     loss_and_grad = nn.value_and_grad(model, loss_fn)
     start, steps, average, trace = time.perf_counter(), 0, None, []
     for tokens, mask in data.batches(4, shuffle=True):

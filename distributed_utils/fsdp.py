@@ -318,8 +318,8 @@ def layout_of(keys, shards: dict) -> dict:
 def split_at_shards(tree, shards: dict) -> tuple:
     """``tree``'s flat ``(key, leaf)`` pairs: ``(those at or under a key of shards, the others)``."""
     flat = tree_flatten(tree)
-    at = [(k, v) for k, v in flat if param_key(k, shards) is not None]
-    return at, [(k, v) for k, v in flat if param_key(k, shards) is None]
+    at = layout_of([k for k, _ in flat], shards)
+    return [(k, v) for k, v in flat if k in at], [(k, v) for k, v in flat if k not in at]
 
 
 def _at_shards(tree, shards, fn):

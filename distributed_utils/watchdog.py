@@ -189,9 +189,8 @@ def _account(say=True):
         say_record(
             "account", steps=_state.steps, seconds=seconds, collectives=_state.waited, bytes=_state.sent
         )
-    if (
-        _state.timeline is not None
-    ):  # (seq, group, what, start, end, bytes), on the wall clock: the hosts' agree
+    # (seq, group, what, start, end, bytes) of each, on the wall clock: the hosts' agree
+    if _state.timeline is not None:
         t0 = (time.time() - time.monotonic()) * 1e6
         trace = []
         for s, g, w, a, b, n in _state.timeline:
