@@ -7,7 +7,6 @@ Rank 0 reads it back for every rank (the others need not see it), each keeping o
 rank ever holds the whole of a fully sharded model."""
 
 import contextlib
-import functools
 import itertools
 import json
 import math
@@ -15,6 +14,7 @@ import os
 import struct
 import warnings
 import zlib
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,7 +25,6 @@ from . import fsdp, watchdog
 from .arrays import MX_DTYPES, bits, dtype_name, show, signature, to_mx
 from .collectives import allgather, barrier, check_backend, check_count, root_runs
 from .state import of
-from .synchronize import synchronize
 from .tree import describe
 
 FORMAT = "distributed_utils.checkpoint/3"  # (3: each array's CRC-32s, one per piece; one int read too)
@@ -84,9 +83,8 @@ def save_checkpoint(
         raise TypeError(f"save_checkpoint: step, data and extra must be JSON values: {e}") from None
     arrays["rng"] = allgather(backend, mx.random.state[0][None])
 
-    def prune():
-        for later in [p for p in _checkpoints_in(folder) if p.name > path.name]:
-            _set_aside(later, "superseded")  # else the next load would go back to it
+    def prune():  # (the later steps set aside: else the next load would go back to them)
+        _set_aside([p for p in _checkpoints_in(folder) if p.name > path.name], "superseded")
         for old in _checkpoints_in(folder)[:-keep]:
             old.unlink()
 
@@ -113,14 +111,21 @@ def _write(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then
     writer.close()
     everyone = allgather(backend, (writer.crcs, writer.error))
     errors = [f"rank {r} could not write {path}: {error}" for r, (_, error) in enumerate(everyone) if error]
-    if errors:
-        if backend.rank == 0:
-            tmp.unlink(missing_ok=True)
-        raise CheckpointError("; ".join(errors))
     # (an empty piece, of ranks past a small array's end: crc32(b"") == 0)
     crcs = {k: [everyone[r if shared else 0][0].get((k, r), 0) for r in range(n)] for k, n in counts.items()}
-    finish = functools.partial(_finished, tmp, path, room, _header(specs, metadata, crcs), crcs, then)
-    root_runs(backend, finish, 0, CheckpointError, f"write {path}")
+    header = _header(specs, metadata, crcs)
+    try:  # (any rank's failure: rank 0 removes the temporary file)
+        if errors:
+            raise CheckpointError("; ".join(errors))
+        written = {k: (dtype_name(dtype), shape) for k, (dtype, shape) in specs.items()}
+        _read_back(backend, tmp, written, crcs, offsets)  # (as a load reads it)
+        root_runs(
+            backend, partial(_finished, tmp, path, room, header, then), 0, CheckpointError, f"write {path}"
+        )
+    except CheckpointError:
+        if backend.rank == 0:
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def _seen_everywhere(backend, tmp: Path, token: bytes) -> bool:
@@ -142,20 +147,27 @@ def _write_arrays(backend, writer, arrays: dict, wholes: dict, specs, counts, of
         if key in wholes and not shared:
             a = fsdp.gather(wholes[key][1], [a], [shape])[0]
         flat = None if writer.file is None else np.asarray(bits(a))
-        size, n = math.prod(shape), counts[key]
-        c, step = -(-size // n), max(1, _PIECE_BYTES // dtype.size)  # (a piece's and a write's elements)
-        for r in range(n):
+        for r, first, start, stop in _parts(dtype, shape, counts[key]):
             owner = r if shared else 0
-            origin = r * c if shared else 0  # (where the array this rank holds starts in the whole)
-            for start in range(r * c, min(size, r * c + c), step):
-                stop = min(size, r * c + c, start + step)
-                if backend.rank == owner:
-                    data = flat[start - origin : stop - origin]
-                    writer.write((key, r), offsets[key] + start * dtype.size, data)
-                if owner == 0:
-                    before, written = written, written + (stop - start) * dtype.size
-                    if _crossed(before, written, _PIECE_BYTES):
-                        barrier(backend)
+            if backend.rank == owner:
+                origin = first if shared else 0  # (where the array this rank holds starts in the whole)
+                writer.write(
+                    (key, r), offsets[key] + start * dtype.size, flat[start - origin : stop - origin]
+                )
+            if owner == 0:
+                before, written = written, written + (stop - start) * dtype.size
+                if _crossed(before, written, _PIECE_BYTES):
+                    barrier(backend)
+
+
+def _parts(dtype, shape, n: int):
+    """``(piece, first, start, stop)``: an array's elements in ``n`` pieces of ceil(size / n) (``first``:
+    where the piece starts; past the end: no piece), each in runs ``start:stop`` of at most ``_PIECE_BYTES``."""
+    size = math.prod(shape)
+    c, step = -(-size // n), max(1, _PIECE_BYTES // dtype.size)
+    for r in range(n):
+        for start in range(r * c, min(size, r * c + c), step):
+            yield r, r * c, start, min(size, r * c + c, start + step)
 
 
 class _Writer:
@@ -194,16 +206,11 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
     set aside as ``.damaged``) into ``model`` (in place), ``optimizer``, ``data`` and each rank's random
     state (at the world size saved). Returns ``{"step", "data", "extra", "world_size"}``, or None when
     there is none; CheckpointError on every rank for a damaged file or one that does not fit."""
-    read = {}  # rank 0's arrays
-
-    def find_and_read():
-        found, read["arrays"], meta = _find_and_read(Path(path))
-        return found, meta, None if meta is None else {k: signature(a) for k, a in read["arrays"].items()}
-
     shards = _shards(backend, model, optimizer, "load_checkpoint")
-    path, meta, saved = root_runs(backend, find_and_read, 0, CheckpointError, f"read {path}")
-    if meta is None:
+    path, header = _newest_intact(backend, Path(path))
+    if header is None:
         return None
+    meta, saved, crcs, offsets = header
     if model is not None:  # (a file saved with trainable_only holds those alone)
         parameters = model.trainable_parameters() if meta.get("trainable_only") else model.parameters()
         _check_fits(path, "model", saved, fsdp.whole_shapes(parameters, shards))
@@ -217,7 +224,8 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
         raise CheckpointError(
             f"load_checkpoint: {path} holds the state of a {meta['optimizer']}, not of a {state.rule_name()}"
         )
-    arrays = _delivered(backend, read.get("arrays"), saved, shards)
+    wholes = _wholes(saved, {"model": shards, "optimizer": shards})
+    arrays = _read_back(backend, path, saved, crcs, offsets, delivered=wholes)
     if model is not None:
         model.update(tree_unflatten(_section(arrays, "model")))
     if state is not None:  # (DiLoCo sets the model's parameters to this rank's local ones)
@@ -244,21 +252,6 @@ def _wholes(keys, layouts: dict) -> dict:
     for section, shards in layouts.items():
         inner = {key.partition(".")[2]: key for key in keys if key.startswith(section + ".")}
         out.update({inner[k]: whole for k, whole in fsdp.layout_of(inner, shards).items()})
-    return out
-
-
-def _delivered(backend, arrays, saved: dict, shards: dict) -> dict:
-    """Collective: rank 0's ``arrays`` (``saved``: their signatures) on every rank, sent about
-    ``_PIECE_BYTES`` at a time; of a fully sharded model's whole arrays, this rank's shard only."""
-    out, chunk, size, wholes = {}, {}, 0, _wholes(saved, {"model": shards, "optimizer": shards})
-    for n, (key, (dtype, shape)) in enumerate(saved.items(), 1):
-        chunk[key] = arrays.pop(key) if backend.rank == 0 else mx.zeros(shape, MX_DTYPES[dtype])
-        size += chunk[key].nbytes
-        if size >= _PIECE_BYTES or n == len(saved):
-            for k, a in synchronize(backend, chunk, root=0).items():
-                out[k] = fsdp.own_shard(a, wholes[k][1]) if k in wholes else a
-            mx.eval(list(out.values()))
-            chunk, size = {}, 0
     return out
 
 
@@ -302,19 +295,15 @@ def _started(path: Path, stale=None):
     return tmp, token
 
 
-def _finished(tmp: Path, path: Path, room: int, header: bytes, crcs: dict, then=None):
-    """``tmp`` (its arrays written) given ``header`` (``room`` bytes), fsynced, read back against ``crcs``,
-    renamed to ``path``, its folder synced, then ``then()``; or no tmp."""
-    try:
-        with open(tmp, "r+b") as f:
-            f.write(struct.pack("<Q", room) + header.ljust(room))
-            f.flush()
-            os.fsync(f.fileno())
-        _check_crcs(tmp, dict(mx.load(str(tmp), format="safetensors")), crcs)  # (as a load will)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+def _finished(tmp: Path, path: Path, room: int, header: bytes, then=None):
+    """``tmp`` (its arrays written and read back) given ``header`` (``room`` bytes), fsynced, its header read
+    by MLX as a load will, renamed to ``path``, its folder synced, then ``then()``."""
+    with open(tmp, "r+b") as f:
+        f.write(struct.pack("<Q", room) + header.ljust(room))
+        f.flush()
+        os.fsync(f.fileno())
+    mx.load(str(tmp), format="safetensors")  # (lazily: the header alone)
+    os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -363,42 +352,89 @@ def _checkpoints_in(folder: Path) -> list:
     return sorted(folder.glob("step-*.safetensors"))
 
 
-def _set_aside(path: Path, why: str):
-    """Rename ``path`` to ``path.why`` (``.why-2``, ...: never over another), out of the checkpoints."""
-    names = (f"{path.name}.{why}" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
-    aside = next(path.with_name(name) for name in names if not path.with_name(name).exists())
-    path.rename(aside)
-    warnings.warn(f"set aside {path} as {aside.name}")
+def _set_aside(paths: list, why: str, note=""):
+    """Rename each of ``paths`` to ``path.why`` (``.why-2``, ...: never over another), out of the checkpoints,
+    and warn so (``note`` added)."""
+    for path in paths:
+        names = (f"{path.name}.{why}" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
+        aside = next(path.with_name(name) for name in names if not path.with_name(name).exists())
+        path.rename(aside)
+        warnings.warn(f"set aside {path} as {aside.name}{note}")
 
 
-def _find_and_read(path: Path):
-    """``(path, arrays, meta)`` at ``path`` (a directory: its newest intact checkpoint); meta None: none."""
-    if not path.is_dir():
-        return path, *_verified(path)
+def _newest_intact(backend, path: Path):
+    """Collective: ``(path, _header_of(path))`` of the checkpoint at ``path`` (a ``keep`` directory: its newest
+    intact one, newer damaged ones set aside), every byte checked; ``(path, None)``: there is none."""
+    folder, candidates = root_runs(backend, lambda: _candidates(path), 0, CheckpointError, f"read {path}")
     damaged = {}
-    for candidate in reversed(_checkpoints_in(path)):
-        try:
-            arrays, meta = _verified(candidate)
+    for candidate in candidates:
+        try:  # (the header, then every byte)
+            header = root_runs(backend, partial(_header_of, candidate), 0, CheckpointError, f"read {path}")
+            _read_back(backend, candidate, *header[1:])
         except CheckpointError as e:
+            if not folder:
+                raise
             damaged[candidate] = str(e)
             continue
-        if damaged:
-            warnings.warn(
-                f"skipped {len(damaged)} newer damaged checkpoints, loading {candidate}: {'; '.join(damaged.values())}"
-            )
-        for older in damaged:  # (only once an intact one is found: else nothing is moved)
-            _set_aside(older, "damaged")
-        return candidate, arrays, meta
+        if damaged:  # (only once an intact one is found: else nothing is moved)
+            note = f" (loading {candidate}, older): {'; '.join(damaged.values())}"
+            set_aside = partial(_set_aside, list(damaged), "damaged", note)
+            root_runs(backend, set_aside, 0, CheckpointError, f"set aside the damaged checkpoints in {path}")
+        return candidate, header
     if damaged:
         raise CheckpointError(f"no intact checkpoint in {path}: {'; '.join(damaged.values())}")
-    return path, None, None
+    return path, None
 
 
-def _verified(path: Path):
-    """``(arrays, meta)`` read from ``path`` (None, None: no file), verified; else CheckpointError."""
-    if not path.exists():
-        return None, None
-    try:
+def _candidates(path: Path):
+    """``(whether path is a folder, what to try in turn)``: the file (if there), a folder's newest first."""
+    if path.is_dir():
+        return True, list(reversed(_checkpoints_in(path)))
+    return False, [path] if path.exists() else []
+
+
+def _read_back(backend, path: Path, saved: dict, want: dict, offsets: dict, delivered=None) -> dict:
+    """Collective: rank 0 reads ``path``'s arrays (``_header_of``'s) ``_PIECE_BYTES`` at a time, each read a
+    step every rank joins, checking each piece's CRC-32 (CheckpointError on every rank). ``delivered``: the
+    arrays on every rank; at its keys (a fully sharded model's ``{key: (whole shape, backend)}``) shards."""
+    specs = {key: (MX_DTYPES[name], shape) for key, (name, shape) in saved.items()}
+    crcs, out = {}, {}  # (rank 0's of each piece read)
+
+    def read(f, key, piece, start, stop):
+        size = specs[key][0].size
+        f.seek(offsets[key] + start * size)
+        data = f.read((stop - start) * size)
+        if len(data) < (stop - start) * size:
+            raise CheckpointError(f"{path} is incomplete or corrupt: it ends inside '{key}'")
+        crcs[key, piece] = zlib.crc32(data, crcs.get((key, piece), 0))
+        return None if delivered is None else data
+
+    def check(key):
+        if want is not None and [crcs.get((key, r), 0) for r in range(len(want[key]))] != want[key]:
+            raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
+
+    with open(path, "rb") if backend.rank == 0 else contextlib.nullcontext() as f:
+        for key, (dtype, shape) in specs.items():
+            whole = bytearray(0 if delivered is None else math.prod(shape) * dtype.size)
+            for piece, _, start, stop in _parts(dtype, shape, 1 if want is None else len(want[key])):
+                step = partial(read, f, key, piece, start, stop)
+                data = root_runs(backend, step, 0, CheckpointError, f"read {path}")
+                if delivered is not None:
+                    whole[start * dtype.size : stop * dtype.size] = data
+            root_runs(backend, partial(check, key), 0, CheckpointError, f"read {path}")
+            if delivered is not None:
+                a = (
+                    mx.array(np.frombuffer(whole, f"u{dtype.size}")).view(dtype).reshape(shape)
+                )  # (items: < 2**31)
+                out[key] = fsdp.own_shard(a, delivered[key][1]) if key in delivered else a
+                mx.eval(out[key])
+    return out
+
+
+def _header_of(path: Path):
+    """``(meta, {key: (dtype name, shape)}, {key: CRC-32s, one per piece} or None (older files), {key: where its
+    bytes start})`` of the checkpoint at ``path``, its metadata verified; else CheckpointError."""
+    try:  # (MLX checks the header as a load does; lazily: no bytes are read)
         arrays, saved = mx.load(str(path), format="safetensors", return_metadata=True)
     except (RuntimeError, ValueError) as e:
         raise CheckpointError(f"{path} is incomplete or corrupt: {e}") from None
@@ -409,7 +445,9 @@ def _verified(path: Path):
     try:
         meta = json.loads(saved["distributed_utils"])
         crcs = json.loads(saved["crc32"]) if "crc32" in saved else None
-        arrays = {key: arrays[key] for key in json.loads(saved.get("keys", "null")) or arrays}
+        keys = json.loads(saved.get("keys", "null")) or list(arrays)
+        doubles = json.loads(saved.get("float64", "[]"))  # (written as their bits; a view reads nothing)
+        arrays = {key: arrays[key].view(mx.float64) if key in doubles else arrays[key] for key in keys}
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path} is not a distributed_utils checkpoint (no metadata)") from None
     missing = {"format", "step", "extra", "world_size", "data", "optimizer"} - set(meta)
@@ -421,22 +459,13 @@ def _verified(path: Path):
     if crcs is None or meta["format"] == _FORMAT_1:
         unverified = "checksums" if crcs is None else "a checksum of its metadata"
         warnings.warn(f"{path} was written without {unverified} (by an older version): loaded unverified")
-    keys = list(arrays)
-    if crcs is not None:  # (read again, lazily, as they are sent)
-        _check_crcs(path, arrays, crcs)
-    arrays, doubles = mx.load(str(path), format="safetensors"), json.loads(saved.get("float64", "[]"))
-    return {key: arrays[key].view(mx.float64) if key in doubles else arrays[key] for key in keys}, meta
-
-
-def _check_crcs(path, arrays: dict, crcs: dict):
-    """CheckpointError unless the bytes of each of ``arrays`` (read, checked and let go, in turn) match their
-    CRC-32s: a list, one per piece (n pieces of ceil(size / n) elements), or one int (older files)."""
-    for key in list(arrays):
-        data, want = np.asarray(bits(arrays.pop(key))), crcs.get(key)
-        want = want if isinstance(want, list) else [want]
-        c = -(-data.size // len(want))
-        if [zlib.crc32(data[r * c : (r + 1) * c]) for r in range(len(want))] != want:
-            raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
+    if crcs is not None:  # (one int an array in older files: one piece)
+        crcs = {key: want if isinstance(want, list) else [want] for key, want in crcs.items()}
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        places = json.loads(f.read(length))
+    offsets = {key: 8 + length + places[key]["data_offsets"][0] for key in keys}
+    return meta, {key: signature(a) for key, a in arrays.items()}, crcs, offsets
 
 
 def _check_fits(path, section, saved, tree, exact=True):

@@ -20,7 +20,6 @@ avg = "avg"
 #: The op names, and Python's own functions for them (as Lux takes Julia's).
 _OPS = {name: name for name in ("sum", "avg", "max", "min", "prod")}
 _OPS.update({operator.add: "sum", operator.mul: "prod", max: "max", min: "min"})
-_BOOLS = {mx.bool_, np.dtype(bool)}
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -58,7 +57,7 @@ def allreduce(backend, x, op):
         raise TypeError(f"op 'avg' needs a floating or complex dtype, got {arr.dtype}; use 'sum'")
     if op in ("max", "min") and is_floating(arr.dtype) and "complex" in str(arr.dtype):  # (mx or numpy dtype)
         raise TypeError(f"op {op!r} is not defined for complex numbers ({arr.dtype})")
-    bools, nan_wins = arr.dtype in _BOOLS, op in ("max", "min") and is_floating(arr.dtype)
+    bools, nan_wins = arr.dtype in {mx.bool_, np.dtype(bool)}, op in ("max", "min") and is_floating(arr.dtype)
     arr = to_mx(arr) if bools or nan_wins or not backend.host_buffers else arr  # (else MPI on numpy's memory)
     if bools:  # as bytes: MPI aborts on bools
         arr, op = arr.astype(mx.uint8), "max" if op in ("sum", "max") else "min"
@@ -105,7 +104,7 @@ def allgather(backend, x):
 
 def barrier(backend):
     """Returns on each rank once every rank has reached it."""
-    run_collective(check_backend(backend), "barrier", None, lambda _: backend.barrier())
+    run_collective(check_backend(backend), "barrier", [], lambda _: backend.barrier())
 
 
 def reduce_scatter_sum(backend, x, scale: float = 1.0):
@@ -232,7 +231,7 @@ def _objects(backend, obj, root=None) -> list:
             raise TypeError(f"{whose}: " + "; ".join(f"rank {r} {errors[r]}" for r in np.flatnonzero(failed)))
         return [r for r, _ in received]
 
-    return run_collective(backend, what, None, run, *([] if root is None else [f"root={root}"]))
+    return run_collective(backend, what, [], run, *([] if root is None else [f"root={root}"]))
 
 
 _OBJECT_TAG = 0x64755F6F626A  # "du_obj": announces an object's size, so that a mismatch is seen

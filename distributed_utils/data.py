@@ -154,11 +154,9 @@ class DistributedDataContainer:
             batch_size = self._agreed_sizes(batch_size, share)
         before, skip = self._resumed_parts(epoch, batch_size)
         if exactly_once and (drop_last or before):
-            why = (
-                "drop_last skips items"
-                if drop_last
-                else "the epoch was begun at another world size or batch size"
-            )
+            why = "drop_last skips items"
+            if not drop_last:
+                why = "the epoch was begun at another world size or batch size"
             raise ValueError(f"{self._label}: exactly_once cannot visit every item once here: {why}")
         return self._sized_batches(how, before, batch_size, skip if start is None else start, auto)
 

@@ -100,9 +100,6 @@ class DiLoCo(OptimizerState, optim.Optimizer):
 
     learning_rate = forwarded("learning_rate", to="inner_optimizer")
 
-    def rule_name(self) -> str:
-        return "DiLoCo"
-
     def initialized(self) -> bool:
         return self._global is not None
 

@@ -18,7 +18,7 @@ from mlx.nn.layers import distributed as mlx_sharded
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .arrays import bits, evaluate, is_floating, to_mx, to_numpy
-from .collectives import allgather, allreduce, bcast, check_backend, check_count, check_same
+from .collectives import allgather, allreduce, bcast, check_backend, check_same
 from .reduction import Reduction
 from .tree import replace_arrays
 
@@ -281,14 +281,6 @@ def any_alive() -> bool:
     return bool(_units)
 
 
-def param_key(key: str, sharded_keys) -> str:
-    """The parameter ``key`` (or an optimizer state entry of it: ``key.m``) is of, if sharded, else None."""
-    if key in sharded_keys:
-        return key
-    parent = key.rpartition(".")[0]
-    return parent if parent in sharded_keys else None
-
-
 def whole_tree(tree, shards: dict):
     """Collective: ``tree`` (parameters, or a state keyed by them) with its ``shards`` gathered whole."""
     return _at_shards(tree, shards, lambda a, shape, backend: gather(backend, [a], [shape])[0])
@@ -310,9 +302,10 @@ def whole_shapes(tree, shards: dict):
 
 
 def layout_of(keys, shards: dict) -> dict:
-    """``{key: (whole shape, backend)}`` for each of ``keys`` at or under a parameter key of ``shards``."""
-    params = {key: param_key(key, shards) for key in keys}
-    return {key: shards[param] for key, param in params.items() if param is not None}
+    """``{key: (whole shape, backend)}`` for each of ``keys`` at or under a parameter key of ``shards`` (a
+    parameter's key, or an optimizer state entry of it: ``key.m``)."""
+    params = {key: key if key in shards else key.rpartition(".")[0] for key in keys}
+    return {key: shards[param] for key, param in params.items() if param in shards}
 
 
 def split_at_shards(tree, shards: dict) -> tuple:
@@ -326,11 +319,9 @@ def _at_shards(tree, shards, fn):
     """``tree`` with ``fn(array, whole shape, backend)`` for each array at (or under) a key of ``shards``."""
     if not shards:
         return tree
-    flat = []
-    for key, a in tree_flatten(tree):
-        param = param_key(key, shards) if isinstance(a, mx.array) else None
-        flat.append((key, a if param is None else fn(a, *shards[param])))
-    return tree_unflatten(flat)
+    flat = tree_flatten(tree)
+    at = layout_of([k for k, a in flat if isinstance(a, mx.array)], shards)
+    return tree_unflatten([(k, fn(a, *at[k]) if k in at else a) for k, a in flat])
 
 
 def clip_grad_norm(backend, gradients, max_norm: float):

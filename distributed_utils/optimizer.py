@@ -67,7 +67,6 @@ class DistributedOptimizer(Plain, optim.Optimizer):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
-    state = forwarded("state", to="optimizer")
     step = forwarded("step", to="optimizer")  # (read alone: the wrapped optimizer's is)
     learning_rate = forwarded("learning_rate", to="optimizer")
 
@@ -206,12 +205,9 @@ class DistributedOptimizer(Plain, optim.Optimizer):
             mx.async_eval([a for _, a in tree_flatten(self._sum) if isinstance(a, mx.array)])
             return None
         total, weight, self._sum, self._weight, self._calls = self._sum, self._weight, None, None, 0
+        factor = 1 / k if self.reduction.op == "avg" else 1.0
         if weight is not None:
             factor = inverse(weight)
-        elif self.reduction.op == "avg":
-            factor = 1 / k
-        else:
-            factor = 1.0
 
         def mean(s, g):  # (in the gradients' dtypes; other leaves as they are)
             return (s * factor).astype(g.dtype) if isinstance(s, mx.array) else s

@@ -81,22 +81,15 @@ def group_by_length(order, lengths, batch_size, real=None):
 def _visits(order, world_size, rank, batch_size, lengths, drop_last, exactly_once) -> tuple:
     """``(the items of order rank visits, in order; which are real: None unless exactly_once)``: the one
     rule that both a part's batches and the replay of the parts done before (``_remaining_order``) follow."""
-    m, real = len(order), None
-    if not exactly_once:
-        positions = _share(m, world_size, rank, batch_size, drop_last)
-        items, first = order[positions % max(m, 1)], positions < m  # (the repeats past the end stay last)
-    else:
-        if isinstance(batch_size, list):  # in global batches: the positions past the end are filler
-            positions = _global_batches(m, batch_size, rank, False)
-        else:
-            start, stop = shard_bounds(m, world_size, rank)
-            total = batch_count(m, world_size, batch_size, False) * batch_size
-            positions = np.concatenate([np.arange(start, stop), np.full(total - (stop - start), m)])
-        real = positions < m
-        items, first = order[np.where(real, positions, positions[0] % m if m and len(positions) else 0)], real
+    m = len(order)
+    positions = _share(m, world_size, rank, batch_size, drop_last and not exactly_once, exactly_once)
+    first = positions < m  # (the repeats past the end, or exactly_once's filler, stay last)
+    if exactly_once:  # (the filler: rank's first item)
+        positions = np.where(first, positions, positions[0] % m if m and len(positions) else 0)
+    items = order[positions % max(m, 1)]
     if lengths is not None:
         items = group_by_length(items, lengths, size_of(batch_size, rank), first)
-    return items, real
+    return items, first if exactly_once else None
 
 
 def _remaining_order(n, shuffle, seed, epoch, done, lengths, exactly_once) -> np.ndarray:
@@ -115,13 +108,17 @@ def _remaining_order(n, shuffle, seed, epoch, done, lengths, exactly_once) -> np
     return order
 
 
-def _share(m, world_size, rank, batch_size, drop_last) -> np.ndarray:
-    """Which of ``m`` positions rank visits, in order: its shard's, then past ``m`` (wrapping around the
-    end, ``% m``: repeats, always last)."""
+def _share(m, world_size, rank, batch_size, drop_last, exactly_once) -> np.ndarray:
+    """Which of ``m`` positions rank visits, in order: its shard's (or its slice of each global batch), then
+    past ``m``, always last: repeats (wrapping around, ``% m``), or ``exactly_once``'s filler."""
     if isinstance(batch_size, list):
         return _global_batches(m, batch_size, rank, drop_last)
+    start, stop = shard_bounds(m, world_size, rank)
+    if exactly_once:
+        total = batch_count(m, world_size, batch_size, False) * batch_size
+        return np.concatenate([np.arange(start, stop), np.full(total - (stop - start), m)])
     count = batch_count(m, world_size, batch_size, True) * batch_size if drop_last else -(-m // world_size)
-    return shard_bounds(m, world_size, rank)[0] + np.arange(count)
+    return start + np.arange(count)
 
 
 def _global_batches(m, sizes, rank, drop_last) -> np.ndarray:

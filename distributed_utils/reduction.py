@@ -108,10 +108,7 @@ class Reduction:
             started = [start_sum(self.backend, [pack(sent, g)], transport_scale, len(g) > 1) for g in groups]
 
         def reduced():  # (in place: the packer's copies alone; a lone array's memory MLX may read on)
-            if scatter:
-                out = scattered
-            else:
-                out = unpack([s.wait()[0] for s in started], sent, groups)
+            out = scattered if scatter else unpack([s.wait()[0] for s in started], sent, groups)
             if units is not None:
                 out = [_scaled(piece, unit * scale, g.dtype) for piece, unit, g in zip(out, units, arrays)]
             return replace_arrays(tree, out)

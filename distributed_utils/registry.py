@@ -42,7 +42,7 @@ def split(backend, color: int):
         with watchdog.holding_the_gil():  # (MLX's MPI splits holding it)
             return backend.split(color)
 
-    sub = run_collective(backend, "split", None, split_group)  # (no color shown: ranks pass their own)
+    sub = run_collective(backend, "split", [], split_group)  # (no color shown: ranks pass their own)
     handshake(sub, parent=backend)  # (its node_rank, and its members: the job's ranks in it)
     return sub
 

@@ -15,6 +15,7 @@ class OptimizerState:
 
     def rule_name(self) -> str:
         """The update rule's class name, which a checkpoint records and checks at load."""
+        return type(self).__name__
 
     def initialized(self) -> bool:
         """Whether the state holds its per-parameter entries (after ``init`` or an update)."""

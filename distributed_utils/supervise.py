@@ -242,7 +242,7 @@ def supervise(procs, world_size, env, tagged=False, grace=0, checked=None, accou
     for t in [t for ts in readers.values() for t in ts]:  # (a process on a lost host may hold them open)
         t.join(timeout=max(0, deadline - time.monotonic()))
     show_lost_reports(report, env["DU_REPORT_DIR"])
-    if report.watchdog:
+    if report.watchdog and failure is not None:  # (a collective that ended within the grace: no failure)
         log(report.watchdog_summary())
     straggler = show_account(report, checked, account) if failure is None else None
     if env.get("DU_TIMELINE"):  # (also of a job that failed: the ranks that ended normally)

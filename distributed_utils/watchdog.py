@@ -67,12 +67,10 @@ class Collective:
     seq = 0
     group = ""  # "" for the whole job, else " in group [0, 2]": its members
 
-    def __init__(self, backend, what: str, details=(), arrays=None):  # (backend None: a region's)
+    def __init__(self, backend, what: str, details=(), arrays=()):  # (backend None: a region's)
         self.backend, self.what, self.details = backend, what, details
         self.rank = _state.rank if backend is None else backend.rank
-        if arrays is None:
-            arrays = []
-        self.arrays = arrays if isinstance(arrays, list) else [arrays]
+        self.arrays = list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
 
     def __enter__(self):
         if _state.depth:
@@ -218,11 +216,10 @@ def _watch_loop():
         last = now
         entries = list(_state.inflight.copy())
         if any(e.timeout and now - e.start > e.timeout for e in entries):
-            _expire(sorted((e for e in entries if e.timeout), key=lambda e: e.start))
+            _expire(sorted((e for e in entries if e.timeout), key=lambda e: e.start), now)
 
 
-def _expire(entries):
-    now = time.monotonic()
+def _expire(entries, now):
     for e in entries:
         rank = launched_rank() if e.rank is None else e.rank
         name = f"collective {e.text(limit=3)}" if e.seq else f"'{e.what}'"

@@ -182,14 +182,10 @@ def mlx_mpi_available() -> bool:
 @functools.cache  # (once: a call that raises is not cached)
 def start_mlx_mpi():
     """Initialize MLX's MPI backend once under ``mpirun``, before mpi4py (after mpi4py's MPI_Init, MLX's is
-    silently a world of one); BackendUnavailableError if it cannot (no libmpi, or mpi4py was first)."""
+    silently a world of one); BackendUnavailableError if mpi4py was first. Its callers check first that MLX
+    can load an MPI library (``mlx_mpi_available``)."""
     if not launched_by_mpirun():
         return
-    if not mlx_mpi_available():
-        why = "none found; set MLX_MPI_LIBNAME to its libmpi"
-        if os.environ.get("MLX_MPI_LIBNAME"):
-            why = f"MLX_MPI_LIBNAME={os.environ['MLX_MPI_LIBNAME']} did not load"
-        raise BackendUnavailableError(f"MLX's MPI backend cannot load an MPI library: {why}")
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized():
         raise BackendUnavailableError(

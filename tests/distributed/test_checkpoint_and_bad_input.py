@@ -287,7 +287,7 @@ def test_the_watchdog_describes_collectives(backend):
     assert report("allreduce_arrays", ("sum",), grads) == (
         "#0 allreduce_arrays(float32(3,), float32(3,), float32(3,), ... (5 arrays), sum)"
     )
-    assert report("bcast_object", ("root=0",), None) == "#0 bcast_object(root=0)"
+    assert report("bcast_object", ("root=0",), []) == "#0 bcast_object(root=0)"
     assert watchdog.Collective(backend, "allreduce_arrays", ("sum",), grads).text() == (
         "#0 allreduce_arrays(" + ", ".join(["float32(3,)"] * 5) + ", sum)"
     )
@@ -311,7 +311,7 @@ def test_a_directory_of_checkpoints_falls_back_to_the_newest_intact_one(backend,
     assert state["step"] == 2 and (np.array(model.bias) == 2.0).all()
     if du.local_rank(backend) == 0:  # rank 0 reads the files, and warns
         assert any(
-            "skipped 1 newer damaged checkpoints" in str(w.message) and "model.bias" in str(w.message)
+            "3.safetensors.damaged (loading" in str(w.message) and "model.bias" in str(w.message)
             for w in caught
         ), [str(w.message) for w in caught]
 
