@@ -169,11 +169,12 @@ def picture(args, made_hosts, steps=3):
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
     barriers = sorted(e["ts"] for e in events if e["pid"] == 0 and e["name"] == "barrier")
     t0 = barriers[-steps]  # (each timed step follows a barrier)
-    colours = {"compute": "#bbbbbb", "start_sum": "#3b75af", "the end": "#ef8636"}
+    colours = {"compute": "#bbbbbb", "start_sum": "#3b75af", "wait": "#ef8636"}
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 2.4))
     for row, pid in enumerate(sorted(names)):
-        for e in [e for e in events if e["pid"] == pid and e["ph"] == "X" and e["ts"] >= t0]:
+        mine = [e for e in events if e["pid"] == pid and e["ph"] == "X" and e["ts"] >= t0]
+        for e in sorted(mine, key=lambda e: e["name"] != "compute"):  # (the rest drawn over the compute)
             colour = next((c for name, c in colours.items() if e["name"].startswith(name)), "#555555")
             ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (row - 0.35, 0.7), color=colour)
     ax.set_yticks(range(len(names)), [names[p] for p in sorted(names)])
@@ -183,7 +184,7 @@ def picture(args, made_hosts, steps=3):
         "computing (forward, backward, update)": "#bbbbbb",
         "a bucket's sum started (it travels on)": "#3b75af",
         "waiting for the sums still travelling": "#ef8636",
-        "barrier (the benchmark's, between steps)": "#555555",
+        "other collectives (the tree's check, the benchmark's barrier)": "#555555",
     }
     for label, colour in legend.items():
         ax.bar(0, 0, color=colour, label=label)

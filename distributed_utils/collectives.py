@@ -147,15 +147,16 @@ def start_sum(backend, arrays: list, scale: float = 1.0, in_place=False) -> "Sta
 
 
 class Started:
-    """A ``start_sum`` in flight: ``wait()`` gives its sums, watched (and those started before it)."""
+    """A ``start_sum`` in flight: ``wait()`` gives its sums (and those started before it), each wait a
+    collective of its own (``wait(#N start_sum(...))``: watched, and in the account as a collective)."""
 
-    def __init__(self, text: str, done):
-        self.text, self.done, self.results = text, done, None
+    def __init__(self, backend, text: str, done):
+        self.backend, self.text, self.done, self.results = backend, text, done, None
 
     def wait(self) -> list:
         while self.results is None:
             first = _in_flight.pop(0)
-            with watchdog.watch(f"the end of collective {first.text}"):
+            with watchdog.Collective(first.backend, "wait", (first.text,)):
                 try:
                     first.results = first.done()
                 except RuntimeError as e:  # (MLX's and mpi4py's: as the door names them)
@@ -184,7 +185,7 @@ def run_collective(backend, what, arrays, primitive, *details, start=False):
         try:
             out = primitive(arrays)
             if start:
-                out = Started(what if call is None else call.text(limit=3), out)
+                out = Started(backend, what if call is None else call.text(limit=3), out)
                 _in_flight.append(out)
             else:
                 evaluate(out)
