@@ -138,36 +138,41 @@ def _seen_everywhere(backend, tmp: Path, token: bytes) -> bool:
 
 def _write_arrays(backend, writer, arrays: dict, wholes: dict, specs, counts, offsets, shared: bool):
     """Collective: each array's pieces written by their writers (``shared``: piece r by rank r, else all by
-    rank 0, of a sharded array gathered whole first), in writes of at most ``_PIECE_BYTES``. After each
-    ``_PIECE_BYTES`` rank 0 writes, every rank joins a barrier: a write longer than the timeout is no stall,
-    a rank 0 that stops writing is. Their number follows from the layout, the same on every rank."""
-    written = 0  # (the bytes rank 0 has written)
-    for key, (dtype, shape) in specs.items():
-        a = arrays[key]
-        if key in wholes and not shared:
-            a = fsdp.gather(wholes[key][1], [a], [shape])[0]
-        flat = None if writer.file is None else np.asarray(bits(a))
-        for r, first, start, stop in _parts(dtype, shape, counts[key]):
-            owner = r if shared else 0
-            if backend.rank == owner:
+    rank 0, of a sharded array gathered whole first), in ``_steps``: after each, every rank joins a barrier
+    (a save longer than the timeout is no stall; a rank 0 that stops writing is)."""
+    current = None  # (the array being written)
+    for step in _steps(specs, counts):
+        for key, r, first, start, stop in step:
+            if key != current:
+                current, a = key, arrays[key]
+                if key in wholes and not shared:
+                    a = fsdp.gather(wholes[key][1], [a], [specs[key][1]])[0]
+                flat = None if writer.file is None else np.asarray(bits(a))
+            if backend.rank == (r if shared else 0):
                 origin = first if shared else 0  # (where the array this rank holds starts in the whole)
-                writer.write(
-                    (key, r), offsets[key] + start * dtype.size, flat[start - origin : stop - origin]
-                )
-            if owner == 0:
-                before, written = written, written + (stop - start) * dtype.size
-                if _crossed(before, written, _PIECE_BYTES):
-                    barrier(backend)
+                data = flat[start - origin : stop - origin]
+                writer.write((key, r), offsets[key] + start * specs[key][0].size, data)
+        barrier(backend)
 
 
-def _parts(dtype, shape, n: int):
-    """``(piece, first, start, stop)``: an array's elements in ``n`` pieces of ceil(size / n) (``first``:
-    where the piece starts; past the end: no piece), each in runs ``start:stop`` of at most ``_PIECE_BYTES``."""
-    size = math.prod(shape)
-    c, step = -(-size // n), max(1, _PIECE_BYTES // dtype.size)
-    for r in range(n):
-        for start in range(r * c, min(size, r * c + c), step):
-            yield r, r * c, start, min(size, r * c + c, start + step)
+def _steps(specs: dict, counts: dict):
+    """Lists of ``(key, piece, first, start, stop)``: each array of ``specs`` in ``counts[key]`` pieces of
+    ceil(size / n) elements (``first``: where a piece starts; past the end: none), cut in parts
+    ``start:stop``, in steps of at most ``_PIECE_BYTES`` (the same on every rank)."""
+    step, nbytes = [], 0
+    for key, (dtype, shape) in specs.items():
+        size, n = math.prod(shape), counts[key]
+        c, most = -(-size // n), max(1, _PIECE_BYTES // dtype.size)  # (a piece's and a part's elements)
+        for r in range(n):
+            for start in range(r * c, max(1, min(size, r * c + c)), most):  # (a 0-element array: one part)
+                stop = min(size, r * c + c, start + most)
+                if step and nbytes + (stop - start) * dtype.size > _PIECE_BYTES:
+                    yield step
+                    step, nbytes = [], 0
+                step.append((key, r, r * c, start, stop))
+                nbytes += (stop - start) * dtype.size
+    if step:
+        yield step
 
 
 class _Writer:
@@ -181,7 +186,7 @@ class _Writer:
     def write(self, piece, offset: int, data):
         self.crcs[piece] = zlib.crc32(data, self.crcs.get(piece, 0))
         before, self.written = self.written, self.written + data.nbytes
-        sync = _crossed(before, self.written, 4 * _PIECE_BYTES)  # (fsynced as it goes: the last one is short)
+        sync = before // (4 * _PIECE_BYTES) < self.written // (4 * _PIECE_BYTES)  # (fsynced as it goes)
         self._do(lambda: self.file.seek(offset), lambda: _write_pieces(self.file, data, sync))
 
     def close(self):
@@ -342,11 +347,6 @@ def _write_pieces(f, data, sync: bool):
         os.fsync(f.fileno())
 
 
-def _crossed(before: int, after: int, every: int) -> bool:
-    """Whether a count going from ``before`` to ``after`` passed a multiple of ``every``."""
-    return before // every < after // every
-
-
 def _checkpoints_in(folder: Path) -> list:
     """The checkpoints ``save_checkpoint(keep=)`` wrote to ``folder``, by step (oldest first)."""
     return sorted(folder.glob("step-*.safetensors"))
@@ -394,40 +394,42 @@ def _candidates(path: Path):
 
 
 def _read_back(backend, path: Path, saved: dict, want: dict, offsets: dict, delivered=None) -> dict:
-    """Collective: rank 0 reads ``path``'s arrays (``_header_of``'s) ``_PIECE_BYTES`` at a time, each read a
-    step every rank joins, checking each piece's CRC-32 (CheckpointError on every rank). ``delivered``: the
-    arrays on every rank; at its keys (a fully sharded model's ``{key: (whole shape, backend)}``) shards."""
+    """Collective: rank 0 reads ``path``'s arrays (``_header_of``'s) in steps of at most ``_PIECE_BYTES``, each
+    a collective every rank joins, checking each piece's CRC-32 (CheckpointError on every rank). ``delivered``:
+    the arrays on every rank; at its keys (a fully sharded model's ``{key: (whole shape, backend)}``) shards."""
     specs = {key: (MX_DTYPES[name], shape) for key, (name, shape) in saved.items()}
-    crcs, out = {}, {}  # (rank 0's of each piece read)
+    counts = {key: 1 if want is None else len(want[key]) for key in specs}
+    crcs, wholes, out = {}, {}, {}  # (rank 0's of each piece read; the arrays being received)
 
-    def read(f, key, piece, start, stop):
-        size = specs[key][0].size
-        f.seek(offsets[key] + start * size)
-        data = f.read((stop - start) * size)
-        if len(data) < (stop - start) * size:
-            raise CheckpointError(f"{path} is incomplete or corrupt: it ends inside '{key}'")
-        crcs[key, piece] = zlib.crc32(data, crcs.get((key, piece), 0))
-        return None if delivered is None else data
+    def read(f, step):  # (an array's pieces checked at its last part)
+        got = []
+        for key, piece, _, start, stop in step:
+            (dtype, shape), nbytes = specs[key], (stop - start) * specs[key][0].size
+            f.seek(offsets[key] + start * dtype.size)
+            got.append(f.read(nbytes))
+            if len(got[-1]) < nbytes:
+                raise CheckpointError(f"{path} is incomplete or corrupt: it ends inside '{key}'")
+            crcs[key, piece] = zlib.crc32(got[-1], crcs.get((key, piece), 0))
+            mine = [crcs.get((key, r), 0) for r in range(counts[key])]
+            if want is not None and stop == math.prod(shape) and mine != want[key]:
+                raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
+        return None if delivered is None else got
 
-    def check(key):
-        if want is not None and [crcs.get((key, r), 0) for r in range(len(want[key]))] != want[key]:
-            raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
+    def receive(key, start, data):  # (an array once its last part came; where sharded, this rank's shard)
+        dtype, shape = specs[key]
+        if start == 0:  # (its first part)
+            wholes[key] = bytearray(math.prod(shape) * dtype.size)
+        wholes[key][start * dtype.size : start * dtype.size + len(data)] = data
+        if start * dtype.size + len(data) == len(wholes[key]):
+            a = mx.array(np.frombuffer(wholes.pop(key), f"u{dtype.size}")).view(dtype).reshape(shape)
+            out[key] = fsdp.own_shard(a, delivered[key][1]) if key in delivered else a
+            mx.eval(out[key])
 
     with open(path, "rb") if backend.rank == 0 else contextlib.nullcontext() as f:
-        for key, (dtype, shape) in specs.items():
-            whole = bytearray(0 if delivered is None else math.prod(shape) * dtype.size)
-            for piece, _, start, stop in _parts(dtype, shape, 1 if want is None else len(want[key])):
-                step = partial(read, f, key, piece, start, stop)
-                data = root_runs(backend, step, 0, CheckpointError, f"read {path}")
-                if delivered is not None:
-                    whole[start * dtype.size : stop * dtype.size] = data
-            root_runs(backend, partial(check, key), 0, CheckpointError, f"read {path}")
-            if delivered is not None:
-                a = (
-                    mx.array(np.frombuffer(whole, f"u{dtype.size}")).view(dtype).reshape(shape)
-                )  # (items: < 2**31)
-                out[key] = fsdp.own_shard(a, delivered[key][1]) if key in delivered else a
-                mx.eval(out[key])
+        for step in _steps(specs, counts):
+            got = root_runs(backend, partial(read, f, step), 0, CheckpointError, f"read {path}")
+            for (key, _, _, start, _), data in zip(step, got or []):
+                receive(key, start, data)
     return out
 
 
