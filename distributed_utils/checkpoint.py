@@ -148,7 +148,7 @@ def _write_arrays(backend, writer, arrays: dict, wholes: dict, specs, counts, of
                 if key in wholes and not shared:
                     a = fsdp.gather(wholes[key][1], [a], [specs[key][1]])[0]
                 flat = None if writer.file is None else np.asarray(bits(a))
-            if backend.rank == (r if shared else 0):
+            if backend.rank == (r if shared else 0) and flat is not None:  # (None: its open failed)
                 origin = first if shared else 0  # (where the array this rank holds starts in the whole)
                 data = flat[start - origin : stop - origin]
                 writer.write((key, r), offsets[key] + start * specs[key][0].size, data)
@@ -156,9 +156,8 @@ def _write_arrays(backend, writer, arrays: dict, wholes: dict, specs, counts, of
 
 
 def _steps(specs: dict, counts: dict):
-    """Lists of ``(key, piece, first, start, stop)``: each array of ``specs`` in ``counts[key]`` pieces of
-    ceil(size / n) elements (``first``: where a piece starts; past the end: none), cut in parts
-    ``start:stop``, in steps of at most ``_PIECE_BYTES`` (the same on every rank)."""
+    """Lists of ``(key, piece, first, start, stop)``: each array's ``counts[key]`` pieces of ceil(size / n)
+    (``first``: where one starts; none past the end) in parts, steps of at most ``_PIECE_BYTES`` on every rank."""
     step, nbytes = [], 0
     for key, (dtype, shape) in specs.items():
         size, n = math.prod(shape), counts[key]
@@ -192,8 +191,9 @@ class _Writer:
     def close(self):
         """Flushed, fsynced and closed."""
         if self.file is not None:
-            with self.file:
-                self._do(self.file.flush, lambda: os.fsync(self.file.fileno()))
+            self._do(self.file.flush, lambda: os.fsync(self.file.fileno()))
+            with contextlib.suppress(OSError):  # (a flush that failed fails again: the first error is kept)
+                self.file.close()
 
     def _do(self, *steps):
         """``steps`` in turn, unless an error came before; the first error kept."""

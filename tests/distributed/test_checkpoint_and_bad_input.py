@@ -517,3 +517,20 @@ def test_a_sharded_state_of_which_a_rank_holds_nothing_saves_loads_and_synchroni
     du.load_checkpoint(backend, path, optimizer=again)
     du.synchronize(backend, again)
     assert again.whole_state()["w"]["m"].tolist() == opt.whole_state()["w"]["m"].tolist()
+
+
+def test_a_writer_that_cannot_open_the_file_is_named_on_every_rank(backend, tmp_path, monkeypatch):
+    """Found by an adversarial test: rank 0, failing to open its temporary file (too many open files, say),
+    raised a TypeError alone while the others waited; now a CheckpointError on every rank, and no file."""
+    path = Path(du.bcast(backend, str(tmp_path / "ck")))
+
+    def failing(file, mode="r", *args, **kwargs):
+        if mode == "r+b" and backend.rank == 0:
+            raise OSError(24, "Too many open files")
+        return open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(du.checkpoint, "open", failing, raising=False)
+    with pytest.raises(du.CheckpointError, match="rank 0 could not write .*Too many open files"):
+        du.save_checkpoint(backend, path, model=nn.Linear(3, 4))
+    if backend.rank == 0:
+        assert list(path.parent.glob(".ck.tmp-*")) == [] and not path.exists()
