@@ -364,13 +364,14 @@ def _set_aside(paths: list, why: str, note=""):
 
 def _newest_intact(backend, path: Path):
     """Collective: ``(path, _header_of(path))`` of the checkpoint at ``path`` (a ``keep`` directory: its newest
-    intact one, newer damaged ones set aside), every byte checked; ``(path, None)``: there is none."""
+    intact one by every byte, newer damaged ones set aside); ``(path, None)``: there is none."""
     folder, candidates = root_runs(backend, lambda: _candidates(path), 0, CheckpointError, f"read {path}")
     damaged = {}
     for candidate in candidates:
-        try:  # (the header, then every byte)
+        try:  # (the header, then a folder's every byte; a file's are checked as the load delivers them)
             header = root_runs(backend, partial(_header_of, candidate), 0, CheckpointError, f"read {path}")
-            _read_back(backend, candidate, *header[1:])
+            if folder:
+                _read_back(backend, candidate, *header[1:])
         except CheckpointError as e:
             if not folder:
                 raise
@@ -398,8 +399,8 @@ def _read_back(backend, path: Path, saved: dict, want: dict, offsets: dict, deli
     a collective every rank joins, checking each piece's CRC-32 (CheckpointError on every rank). ``delivered``:
     the arrays on every rank; at its keys (a fully sharded model's ``{key: (whole shape, backend)}``) shards."""
     specs = {key: (MX_DTYPES[name], shape) for key, (name, shape) in saved.items()}
-    counts = {key: 1 if want is None else len(want[key]) for key in specs}
-    crcs, wholes, out = {}, {}, {}  # (rank 0's of each piece read; the arrays being received)
+    crcs = {key: [0] * (1 if want is None else len(want[key])) for key in specs}  # (rank 0's, of each piece)
+    wholes, out = {}, {}  # (the arrays being received)
 
     def read(f, step):  # (an array's pieces checked at its last part)
         got = []
@@ -409,9 +410,8 @@ def _read_back(backend, path: Path, saved: dict, want: dict, offsets: dict, deli
             got.append(f.read(nbytes))
             if len(got[-1]) < nbytes:
                 raise CheckpointError(f"{path} is incomplete or corrupt: it ends inside '{key}'")
-            crcs[key, piece] = zlib.crc32(got[-1], crcs.get((key, piece), 0))
-            mine = [crcs.get((key, r), 0) for r in range(counts[key])]
-            if want is not None and stop == math.prod(shape) and mine != want[key]:
+            crcs[key][piece] = zlib.crc32(got[-1], crcs[key][piece])
+            if want is not None and stop == math.prod(shape) and crcs[key] != want[key]:
                 raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
         return None if delivered is None else got
 
@@ -426,7 +426,7 @@ def _read_back(backend, path: Path, saved: dict, want: dict, offsets: dict, deli
             mx.eval(out[key])
 
     with open(path, "rb") if backend.rank == 0 else contextlib.nullcontext() as f:
-        for step in _steps(specs, counts):
+        for step in _steps(specs, {key: len(pieces) for key, pieces in crcs.items()}):
             got = root_runs(backend, partial(read, f, step), 0, CheckpointError, f"read {path}")
             for (key, _, _, start, _), data in zip(step, got or []):
                 receive(key, start, data)
