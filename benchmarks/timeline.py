@@ -67,15 +67,18 @@ def job(args, timeline=None, slow=-1, steps=None) -> float:
     return json.loads(lines[0].split("RESULT", 1)[1])["step"]
 
 
-def draw(trace, path, steps=4):
-    """The last ``steps`` steps of ``trace``: a row per rank, its computing, collectives and waits."""
+def draw(trace, path, total_steps, steps=4):
+    """The last ``steps`` of the ``total_steps`` steps of ``trace``: a row per rank, its computing, collectives
+    and waits."""
     from plots import _pyplot
 
     plt = _pyplot()
     events = json.loads(Path(trace).read_text())["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
-    reductions = sorted(e["ts"] for e in events if e["pid"] == 0 and e["name"] == "allreduce_arrays")
-    t0 = reductions[-steps - 1]  # from the end of the step before the window
+    # each step's buckets travel as start_sums, each waited for: the step's last wait ends it
+    waits = sorted(e["ts"] + e["dur"] for e in events if e["pid"] == 0 and e["name"] == "wait")
+    per_step = len(waits) // total_steps
+    t0 = waits[per_step - 1 :: per_step][-steps - 1]  # from the end of the step before the window
     fig, ax = plt.subplots(figsize=(9, 2.4))
     for row, (pid, name) in enumerate(sorted(names.items())):
         mine = [e for e in events if e["pid"] == pid and e["ph"] == "X" and e["ts"] >= t0]
@@ -126,7 +129,7 @@ def main():
             print(f"  timeline / none: {ratio:.3f}")
         if args.plot:
             job(args, timeline=f"{tmp}/slowed.json", slow=1, steps=20)
-            draw(f"{tmp}/slowed.json", args.plot)
+            draw(f"{tmp}/slowed.json", args.plot, total_steps=20)
             print(f"  the picture: {args.plot}")
 
 

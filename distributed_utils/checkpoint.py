@@ -93,11 +93,9 @@ def save_checkpoint(
 
 
 def _write(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then=None, stale=None):
-    """Collective: ``arrays`` written to ``path`` (each at a key of ``wholes``, ``{key: (whole shape,
-    backend)}``, a rank's shard of its whole), then ``then()`` on rank 0. Every array is a list of pieces: one
-    of a replicated array (rank 0's), one per rank of a shard. Where every rank sees the file rank 0 starts,
-    each rank writes its own pieces; else rank 0 writes all, gathering one sharded array at a time. Rank 0
-    reads the file back against every piece's CRC-32 before it replaces ``path``."""
+    """Collective: ``arrays`` written to ``path`` in pieces, as the module's docstring says (each at a key
+    of ``wholes``, ``{key: (whole shape, backend)}``, a rank's shard of its whole); rank 0 reads the file back
+    against every piece's CRC-32, replaces ``path`` with it, then runs ``then()``."""
     specs = {k: (a.dtype, wholes[k][0] if k in wholes else a.shape) for k, a in arrays.items()}
     counts = {k: wholes[k][1].size if k in wholes else 1 for k in arrays}  # (the pieces of each array)
     specs, metadata, room, offsets = _layout(specs, meta_json, counts)  # (the metadata, so offsets: rank 0's)
@@ -189,7 +187,6 @@ class _Writer:
         self._do(lambda: self.file.seek(offset), lambda: _write_pieces(self.file, data, sync))
 
     def close(self):
-        """Flushed, fsynced and closed."""
         if self.file is not None:
             self._do(self.file.flush, lambda: os.fsync(self.file.fileno()))
             with contextlib.suppress(OSError):  # (a flush that failed fails again: the first error is kept)
@@ -380,7 +377,11 @@ def _newest_intact(backend, path: Path):
         if damaged:  # (only once an intact one is found: else nothing is moved)
             note = f" (loading {candidate}, older): {'; '.join(damaged.values())}"
             set_aside = partial(_set_aside, list(damaged), "damaged", note)
-            root_runs(backend, set_aside, 0, CheckpointError, f"set aside the damaged checkpoints in {path}")
+            try:
+                root_runs(backend, set_aside, 0, CheckpointError, f"set aside damaged checkpoints in {path}")
+            except CheckpointError as e:  # (a read-only folder: they stay; the older one still loads)
+                if backend.rank == 0:
+                    warnings.warn(f"{e}; loading {candidate}, older: {'; '.join(damaged.values())}")
         return candidate, header
     if damaged:
         raise CheckpointError(f"no intact checkpoint in {path}: {'; '.join(damaged.values())}")

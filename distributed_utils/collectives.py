@@ -33,9 +33,8 @@ def bcast(backend, x, root: int = 0):
     if not isinstance(x, (mx.array, np.ndarray)):
         return _objects(backend, x, root)[0]
     arr, back = _as_array(x)
-    return back(
-        run_collective(backend, "bcast", to_mx(arr), lambda a: backend.bcast(a, root), f"root={root}")
-    )
+    out = run_collective(backend, "bcast", to_mx(arr), lambda a: backend.bcast(a, root), f"root={root}")
+    return back(out)
 
 
 def allreduce(backend, x, op):
@@ -55,9 +54,9 @@ def allreduce(backend, x, op):
         ) from None
     if op == "avg" and not is_floating(arr.dtype):
         raise TypeError(f"op 'avg' needs a floating or complex dtype, got {arr.dtype}; use 'sum'")
-    if op in ("max", "min") and is_floating(arr.dtype) and "complex" in str(arr.dtype):  # (mx or numpy dtype)
-        raise TypeError(f"op {op!r} is not defined for complex numbers ({arr.dtype})")
     bools, nan_wins = arr.dtype in {mx.bool_, np.dtype(bool)}, op in ("max", "min") and is_floating(arr.dtype)
+    if nan_wins and "complex" in str(arr.dtype):  # (mx or numpy dtype)
+        raise TypeError(f"op {op!r} is not defined for complex numbers ({arr.dtype})")
     arr = to_mx(arr) if bools or nan_wins or not backend.host_buffers else arr  # (else MPI on numpy's memory)
     if bools:  # as bytes: MPI aborts on bools
         arr, op = arr.astype(mx.uint8), "max" if op in ("sum", "max") else "min"
@@ -123,15 +122,13 @@ def average_factor(backend) -> float:
     return 1.0 / backend.size
 
 
-def allreduce_arrays(backend, arrays: list, op, scale=1.0, in_place=False, what="allreduce_arrays"):
-    """Collective (every all-reduce's path): each (numeric) mx.array of ``arrays`` reduced with ``op``, sums
-    times ``scale``. ``in_place``: the arrays are handed over; the transport may write the results in them."""
-    details = _shown(op, scale)
+def allreduce_arrays(backend, arrays: list, op, in_place=False, what="allreduce_arrays"):
+    """Collective (every all-reduce's path): each (numeric) mx.array of ``arrays`` reduced with ``op``.
+    ``in_place``: the arrays are handed over; the transport may write the results in them."""
+    shown, scale = op, 1.0
     if op == "avg":
-        op, scale = "sum", scale * average_factor(backend)
-    return run_collective(
-        backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), *details
-    )
+        op, scale = "sum", average_factor(backend)
+    return run_collective(backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), shown)
 
 
 def start_sum(backend, arrays: list, scale: float = 1.0, in_place=False) -> "Started":

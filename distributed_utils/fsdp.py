@@ -6,7 +6,6 @@ backward pass. ZeRO-1 (the sharded optimizer state) and checkpoints use the same
 
 import functools
 import gc
-import itertools
 import math
 import weakref
 
@@ -22,9 +21,7 @@ from .collectives import allgather, allreduce, bcast, check_backend, check_same
 from .reduction import Reduction
 from .tree import replace_arrays
 
-_units = []  # weak references to every fully sharded module of this process
-_numbers = itertools.count()  # the units', in the order ``fully_shard`` made them (collective: every rank's)
-_unit_names = {}  # a unit's number -> its class's name, for errors naming another rank's unit
+_units = []  # weak references to every fully sharded module of this process, of any backend (``sharded``)
 
 
 class FullyShardedModule(nn.Module):
@@ -36,13 +33,15 @@ class FullyShardedModule(nn.Module):
 
 class _Unit:
     """What ``fully_shard`` keeps of a module, outside its parameters: ``shapes``, the whole ones by key;
-    ``index``, its place among this process's fully sharded modules (the same on every rank: ``fully_shard``
-    is collective); ``calls``, how often it gathered."""
+    ``index``, its number among the units made over its backend (``backend.fully_sharded_units``: each
+    backend numbers its own, as groups make their own); ``calls``, how often it gathered."""
 
-    def __init__(self, backend, shapes, compute_dtype, recompute, index):
-        self.backend, self.shapes, self.index, self.calls = backend, shapes, index, 0
+    def __init__(self, backend, name, shapes, compute_dtype, recompute):
+        self.backend, self.shapes, self.calls = backend, shapes, 0
         self.compute_dtype, self.recompute = compute_dtype, recompute
         self.reduction = Reduction(backend, "avg")
+        self.index = len(backend.fully_sharded_units)
+        backend.fully_sharded_units.append(name)
 
 
 def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=True):
@@ -61,9 +60,8 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
             "du.fully_shard: its recomputation would run on the shards. reshard_after_forward=True already "
             "recomputes each unit in the backward pass; with False, apply grad_checkpoint after du.fully_shard"
         )
-    for unit in filter(None, (ref() for ref in _units)):  # (its parameters would be sharded twice)
-        if any(m is module for m in unit.modules()):
-            raise ValueError("du.fully_shard: the module is inside a fully sharded one; shard blocks first")
+    if getattr(module, "_du_inside", False):  # (its parameters would be sharded twice)
+        raise ValueError("du.fully_shard: the module is inside a fully sharded one; shard blocks first")
     own, nested = _own(module), any(isinstance(m, FullyShardedModule) for m in module.modules())
     layout = [(k, a.shape, str(a.dtype)) for k, a in own]
     settings = {"parameters (key, shape, dtype)": layout, "compute_dtype": str(compute_dtype)}
@@ -72,10 +70,11 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     module.update(tree_unflatten([(key, own_shard(bcast(backend, a), backend)) for key, a in own]))
     shapes = {key: a.shape for key, a in own}
     recompute = reshard_after_forward and not nested  # (a unit holding units keeps its own, as FSDP2's root)
-    unit = _Unit(backend, shapes, compute_dtype, recompute, next(_numbers))
-    _unit_names[unit.index] = type(module).__name__
+    unit = _Unit(backend, type(module).__name__, shapes, compute_dtype, recompute)
     object.__setattr__(module, "_du_unit", unit)
     module.__class__ = _sharded_class(type(module))
+    for m in module.modules():  # (marked: a module inside is refused, even once this one is gone)
+        object.__setattr__(m, "_du_inside", True)
     _units.append(weakref.ref(module))
     return module
 
@@ -121,7 +120,7 @@ def gather(backend, shards: list, shapes: list, unit=None) -> list:
         return [mx.zeros(shape, s.dtype) for s, shape in zip(shards, shapes)]
     rows = allgather(backend, mx.concatenate(packed)[None])  # (one row of bytes per rank)
     if unit is not None and evaluate(rows):
-        _check_tags(to_numpy(rows[:, -16:]).view(np.int64))
+        _check_tags(to_numpy(rows[:, -16:]).view(np.int64), backend.fully_sharded_units)
     wholes, start = [], 0
     for s, shape in zip(shards, shapes):
         size = s.size * s.dtype.size
@@ -131,11 +130,11 @@ def gather(backend, shards: list, shapes: list, unit=None) -> list:
     return wholes
 
 
-def _check_tags(tags):
+def _check_tags(tags, names: list):
     """ValueError on every rank (each sees every rank's tag) unless they gather the same unit's same call."""
     if (tags == tags[0]).all():
         return
-    doing = "; ".join(f"rank {r}: unit {i} ({_unit_names[i]}), call {c}" for r, (i, c) in enumerate(tags))
+    doing = "; ".join(f"rank {r}: unit {i} ({names[i]}), call {c}" for r, (i, c) in enumerate(tags))
     raise ValueError(
         f"du.fully_shard: the ranks gather different fully sharded units ({doing}): every rank must call its "
         "fully sharded modules in the same order, as often (skipping blocks or routing to experts differently "
@@ -143,10 +142,10 @@ def _check_tags(tags):
     )
 
 
-def reduce_scatter(reduction, wholes: dict, *, what, scale=1.0, weight=None) -> dict:
+def reduce_scatter(reduction, wholes: dict, *, what, weight=None) -> dict:
     """Collective: ``{key: this rank's shard of wholes[key] reduced over the ranks by reduction}``."""
     flats = {key: _padded(g.reshape(-1), reduction.backend.size) for key, g in wholes.items()}
-    return reduction.reduce(flats, scale=scale, weight=weight, scatter=True, verify=False, what=what).wait()
+    return reduction.reduce(flats, weight=weight, scatter=True, verify=False, what=what).wait()
 
 
 def _call(module, forward, args, kwargs):
@@ -267,7 +266,7 @@ def sharded(model, who=None) -> dict:
                 f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"
             )
     out = {}
-    if isinstance(model, nn.Module) and any_alive():  # (else no walk: every step asks)
+    if isinstance(model, nn.Module):
         for path, m in model.named_modules():
             unit = getattr(m, "_du_unit", None)
             if unit is not None:

@@ -59,7 +59,7 @@ def run_attempts(every_host, args) -> int:
         if report.not_started and not report.tails:  # no rank ran: nothing to lose by trying once more
             log("mpirun could not start the job (its PMIx server did not start); starting it once more")
             code, report, failure = run_job(hosts, args.command, args, attempt)
-        if report.preempted is not None or report.records["preempted"]:  # (du.preempted returned True)
+        if report.preempted is not None or report.records[contract.PREEMPTED]:  # (du.preempted returned True)
             ended = "ended within the grace period" if failure is None else f"then failed (exit code {code})"
             log(f"the job was preempted ({how_preempted(report)}) and {ended}")
             return PREEMPTED_EXIT if failure is None else code
@@ -109,7 +109,7 @@ def checked_gbps(hosts, backend, gbps=None):
 def how_preempted(report) -> str:
     if report.preempted is not None:
         return signal.Signals(report.preempted).name
-    ranks = sorted(report.records["preempted"].items())  # (the signals each got)
+    ranks = sorted(report.records[contract.PREEMPTED].items())  # (the signals each got)
     got = "; ".join(f"{', '.join(r['signals'])} to rank {rank}" for rank, r in ranks if r.get("signals"))
     return got or "a rank's du.preempted"
 
@@ -127,7 +127,7 @@ def check(every_host, args) -> int:
         code, report, _ = run_job(group, measure, args)
         if code:
             return code
-        slowest = min(slowest, report.records["measured"].get(0, {}).get("gbps", 0))
+        slowest = min(slowest, report.records[contract.MEASURED].get(0, {}).get("gbps", 0))
         if len(unique) > 1:
             faster_paths(group, report, measure, args)
     if 0 < slowest < float("inf"):  # (for the accounts of later jobs on these hosts)
@@ -138,11 +138,11 @@ def check(every_host, args) -> int:
 def faster_paths(pair, report, measure, args):
     """Compare in ring jobs (they use the addresses they are given) the hostfile's path between the hosts of
     ``pair`` (``report``: its measurement) with each other pair of their addresses on one network."""
-    (a, b), measured, used = pair, report.records["measured"], {resolve(h) for h in pair}
+    (a, b), measured, used = pair, report.records[contract.MEASURED], {resolve(h) for h in pair}
     ring = argparse.Namespace(**{**vars(args), "backend": "ring", "port": None, "timeout": PROBE_SECONDS})
 
     def gbps(hosts):
-        return run_job(hosts, measure, ring)[1].records["measured"].get(0, {}).get("gbps", 0)
+        return run_job(hosts, measure, ring)[1].records[contract.MEASURED].get(0, {}).get("gbps", 0)
 
     named = measured[0]["gbps"] if args.backend == "ring" else gbps(pair)  # (mpirun's: another transport)
     for i, j in itertools.product(*[map(ipaddress.ip_interface, measured[r]["addresses"]) for r in (0, 1)]):

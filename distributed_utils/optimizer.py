@@ -55,9 +55,7 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         self.sharded = bool(shard_optimizer_state)
         if self.sharded:
             fsdp.check_elementwise(optimizer, "DistributedOptimizer(shard_optimizer_state=True)")
-        # {key: (whole shape, backend)}: the parameters whose state this rank holds as shards, ZeRO-1's
-        # (at init) or a fully sharded model's (at the first update); its held_state's layout
-        self._layout = {}
+        self._layout = {}  # held_state's layout: ZeRO-1's (at init) or a fully sharded model's (first update)
         self._fully_sharded = None  # the model's fully sharded parameters (fsdp.sharded), at the first update
         self._checked = False  # the ranks' parameters and settings, at the first update
         self._sum, self._weight, self._calls = None, None, 0  # this accumulation cycle's, on this rank
@@ -82,9 +80,8 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         return tree_unflatten(fsdp.split_at_shards(self.state, self._layout)[1])
 
     def set_shared_state(self, state: dict):
-        self.state = tree_unflatten(
-            list({**dict(tree_flatten(self.state)), **dict(tree_flatten(state))}.items())
-        )
+        merged = {**dict(tree_flatten(self.state)), **dict(tree_flatten(state))}
+        self.state = tree_unflatten(list(merged.items()))
 
     def whole_state(self) -> dict:
         return fsdp.whole_tree(*self.held_state())
@@ -146,14 +143,14 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         if cycle is None:
             return None
         watchdog.stepped()
-        gradients, scale, weight = cycle
+        gradients, weight = cycle
         what = "DistributedOptimizer.update(grads)"
         if self.sharded:
-            return self._sharded_step(gradients, parameters, scale, weight, what)
+            return self._sharded_step(gradients, parameters, weight, what)
         flat = dict(tree_flatten(gradients))  # (the shards' gradients: reduced in the backward pass)
         replicated = {k: g for k, g in flat.items() if k not in shards}
         if replicated:
-            flat.update(self.reduction.reduce(replicated, scale=scale, weight=weight, what=what).wait())
+            flat.update(self.reduction.reduce(replicated, weight=weight, what=what).wait())
         return self.optimizer.apply_gradients(tree_unflatten(list(flat.items())), target)
 
     def _take_fully_sharded(self, target):
@@ -169,26 +166,26 @@ class DistributedOptimizer(Plain, optim.Optimizer):
             self._layout = every
         self._fully_sharded = every
 
-    def _sharded_step(self, gradients, parameters, scale, weight, what):
+    def _sharded_step(self, gradients, parameters, weight, what):
         """ZeRO-1: this rank's shards of the reduced gradients step its parameters' shards, all-gathered."""
-        grads = dict(self.reduction.check(gradients, weight, what, scale=scale))  # (the same tree everywhere)
+        grads = dict(self.reduction.check(gradients, weight, what))  # (the same tree everywhere)
         mine = self._my_shards([(k, p) for k, p in tree_flatten(parameters) if k in grads])
         # (where the transport has no reduce-scatter of its own, all-reduced as unsharded: the same bits)
         if self.backend.native_reduce_scatter:
-            grads = fsdp.reduce_scatter(self.reduction, grads, what=what, scale=scale, weight=weight)
+            grads = fsdp.reduce_scatter(self.reduction, grads, what=what, weight=weight)
         else:
-            grads = self.reduction.reduce(grads, scale=scale, weight=weight, verify=False, what=what).wait()
+            grads = self.reduction.reduce(grads, weight=weight, verify=False, what=what).wait()
             grads = {k: fsdp.shard_of(g, self.backend.size, self.backend.rank) for k, g in grads.items()}
         updated = self.optimizer.apply_gradients(tree_unflatten(list(grads.items())), mine)
         return fsdp.whole_tree(updated, self._layout)
 
     def _accumulate(self, gradients, weight):
-        """``(gradients, scale, weight)`` to reduce at the cycle's k-th call (the mean over the calls,
+        """``(gradients, weight)`` to reduce at the cycle's k-th call (the mean over the calls,
         for "avg", or their sum, summed in float32 and given back in the gradients' dtypes;
         weighted: the weighted mean and the summed weight), else None."""
         k = self.accumulate_steps
         if k == 1:
-            return gradients, 1.0, weight
+            return gradients, weight
         if self._calls and (weight is None) != (self._weight is None):
             raise ValueError(
                 "DistributedOptimizer: pass weight= to every call of an accumulation cycle, or to none"
@@ -212,7 +209,7 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         def mean(s, g):  # (in the gradients' dtypes; other leaves as they are)
             return (s * factor).astype(g.dtype) if isinstance(s, mx.array) else s
 
-        return tree_map(mean, total, gradients), 1.0, weight
+        return tree_map(mean, total, gradients), weight
 
 
 def check_start(backend, who, parameters, settings: dict):

@@ -112,16 +112,12 @@ def _share(m, world_size, rank, batch_size, drop_last, exactly_once) -> np.ndarr
     """Which of ``m`` positions rank visits, in order: its shard's (or its slice of each global batch), then
     past ``m``, always last: repeats (wrapping around, ``% m``), or ``exactly_once``'s filler."""
     if isinstance(batch_size, list):
-        return _global_batches(m, batch_size, rank, drop_last)
+        steps = batch_count(m, world_size, batch_size, drop_last)
+        starts = np.arange(steps)[:, None] * sum(batch_size) + sum(batch_size[:rank])
+        return (starts + np.arange(batch_size[rank])).reshape(-1)
     start, stop = shard_bounds(m, world_size, rank)
     if exactly_once:
         total = batch_count(m, world_size, batch_size, False) * batch_size
         return np.concatenate([np.arange(start, stop), np.full(total - (stop - start), m)])
     count = batch_count(m, world_size, batch_size, True) * batch_size if drop_last else -(-m // world_size)
     return start + np.arange(count)
-
-
-def _global_batches(m, sizes, rank, drop_last) -> np.ndarray:
-    """Rank's slice of each global batch of ``sum(sizes)`` of ``m`` positions (past ``m`` in the last)."""
-    steps = batch_count(m, len(sizes), sizes, drop_last)
-    return (np.arange(steps)[:, None] * sum(sizes) + sum(sizes[:rank]) + np.arange(sizes[rank])).reshape(-1)

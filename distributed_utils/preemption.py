@@ -9,7 +9,7 @@ import signal
 
 import numpy as np
 
-from .backends.contract import say_record
+from .backends.contract import PREEMPTED, say_record
 from .collectives import allreduce
 
 _received = []  # the signals this process received since the first preempted()
@@ -31,6 +31,6 @@ def preempted(backend) -> bool:
     if not allreduce(backend, np.uint8(bool(_received)), "max"):  # (bools cost two casts more)
         return False
     if not _told:
-        say_record("preempted", signals=[signal.Signals(s).name for s in _received])
+        say_record(PREEMPTED, signals=[signal.Signals(s).name for s in _received])
         _told = True
     return True

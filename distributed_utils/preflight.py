@@ -77,7 +77,7 @@ def measure(reps=5):
     import mlx.core as mx
 
     import distributed_utils as du
-    from distributed_utils.backends.contract import say_record
+    from distributed_utils.backends.contract import MEASURED, say_record
 
     backend = du.initialize()
     n = du.total_workers(backend)
@@ -97,7 +97,7 @@ def measure(reps=5):
     said = subprocess.run("ip -o -4 addr show || ifconfig", shell=True, capture_output=True, text=True).stdout
     found = re.findall(r"inet ([\d.]+)(?:/(\d+)| netmask (0x[0-9a-f]+))", said)
     addresses = [f"{a}/{p or bin(int(m, 16)).count('1')}" for a, p, m in found if not a.startswith("127.")]
-    say_record("measured", gbps=gbps[SIZES[-1]], addresses=addresses)  # (for du-launch: each rank's)
+    say_record(MEASURED, gbps=gbps[SIZES[-1]], addresses=addresses)  # (for du-launch: each rank's)
     if du.local_rank(backend) == 0:
         bandwidth = ", ".join(f"{size // 2**20} MB {gbps[size]:.2f} GB/s" for size in SIZES)
         print(

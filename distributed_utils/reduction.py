@@ -199,7 +199,6 @@ def _scaled(x, s, dtype):
 
 @functools.cache
 def _fused(dtype):  # shapeless, and the scale an array: one trace for every shape and scale
-
     def scaled(x, s):
         if dtype == "int8":
             return mx.round(x * s).astype(mx.int8)

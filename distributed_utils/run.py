@@ -16,7 +16,7 @@ import sys
 import termios
 import traceback
 
-from distributed_utils.backends.contract import job_id, launched_by_mpirun, say_record
+from distributed_utils.backends.contract import FINISHED, job_id, launched_by_mpirun, say_record
 
 
 def main(argv):
@@ -64,7 +64,7 @@ def say_finished():
     """Tell du-launch that this rank's program ended well: if the others then wait for it in a
     collective, it left the job early (mpirun's ranks; the ring's exit codes say it)."""
     if launched_by_mpirun():
-        say_record("finished")
+        say_record(FINISHED)
 
 
 def abort_mpi(status):

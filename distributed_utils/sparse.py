@@ -70,9 +70,7 @@ class SparseCodec:
     def _encode(self, e: np.ndarray) -> tuple:
         """``e`` (flat float32): its bytes on the wire, and ``e`` less what they carry."""
         c, kk, chunks, index = self._layout(e.size)
-        rows = np.zeros(chunks * c, np.float32)
-        rows[: e.size] = e
-        rows = rows.reshape(chunks, c)
+        rows = np.pad(np.asarray(e, np.float32), (0, chunks * c - e.size)).reshape(chunks, c)
         top = np.argpartition(-np.abs(rows), kk - 1, axis=1)[:, :kk]
         values = np.take_along_axis(rows, top, 1)
         order = np.argsort(-np.abs(values), axis=1, kind="stable")  # decreasing magnitude

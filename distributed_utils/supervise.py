@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from .backends import contract
 from .backends.contract import SIGNAL_EXIT, WATCHDOG_EXIT, read_record, timeline_path
 
 GRACE_SECONDS = 3  # between SIGTERM and SIGKILL for the ranks left when one failed
@@ -81,7 +82,7 @@ class Report:
         if record is not None:  # (the rank whose stream it came in, not what it says)
             event, rank = record.get("event"), record.get("rank") if rank is None else rank
             self.records[event][rank] = record
-            if event == "watchdog":
+            if event == contract.WATCHDOG:
                 self.watchdog.add(rank)
                 if record.get("stopped"):
                     self.stopped.add(rank)
@@ -110,7 +111,7 @@ class Report:
         if self.stopped:
             text += f"; ranks {sorted(self.stopped)} had been stopped (SIGSTOP or frozen) while waiting: the cause"
             return text
-        silent, finished = set(range(self.world_size)) - self.watchdog, set(self.records["finished"])
+        silent, finished = set(range(self.world_size)) - self.watchdog, set(self.records[contract.FINISHED])
         early, rest = sorted(finished & silent), sorted(silent - finished)
         if early:
             text += f"; ranks {early} had already finished their program: they left the job early"
@@ -124,7 +125,7 @@ def show_account(report, checked=None, account=None):
     rank's steps, its time computing and in collectives (first to last), of that waiting for the others
     (beyond the least a rank spent in them); the straggler (returned, or None); the bus bandwidth (``checked``:
     what --check measured). ``account`` (--account): the file for every rank's record and the straggler, as JSON."""
-    ranks, n = report.records["account"], report.world_size
+    ranks, n = report.records[contract.ACCOUNT], report.world_size
     if len(ranks) < n or n < 2 or not any(a["steps"] for a in ranks.values()):
         return None
     computing = {r: a["seconds"] - a["collectives"] for r, a in sorted(ranks.items())}

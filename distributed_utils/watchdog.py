@@ -14,6 +14,7 @@ import threading
 import time
 
 from .arrays import show, signature
+from .backends import contract
 from .backends.contract import WATCHDOG_EXIT, launched_rank, record, report_path, say_record, timeline_path
 
 DEFAULT_TIMEOUT = 300.0
@@ -184,18 +185,14 @@ def _account(say=True):
     r = launched_rank()  # (the job's rank: a collective's may be a group's, du.split)
     r, seconds = _state.rank if r == "?" else r, _state.last - _state.first
     if say:
-        say_record(
-            "account", steps=_state.steps, seconds=seconds, collectives=_state.waited, bytes=_state.sent
-        )
-    # (seq, group, what, start, end, bytes) of each, on the wall clock: the hosts' agree
+        account = dict(steps=_state.steps, seconds=seconds, collectives=_state.waited, bytes=_state.sent)
+        say_record(contract.ACCOUNT, **account)
     if _state.timeline is not None:
-        t0 = (time.time() - time.monotonic()) * 1e6
+        t0 = (time.time() - time.monotonic()) * 1e6  # (on the wall clock: the hosts' agree)
         trace = []
         for s, g, w, a, b, n in _state.timeline:
-            numbered = dict(seq=s, group=g, bytes=n)
-            trace.append(
-                dict(name=w, ph="X", ts=a * 1e6 + t0, dur=(b - a) * 1e6, pid=r, tid=0, args=numbered)
-            )
+            span = dict(name=w, ph="X", ts=a * 1e6 + t0, dur=(b - a) * 1e6, pid=r, tid=0)
+            trace.append({**span, "args": dict(seq=s, group=g, bytes=n)})
         path = timeline_path(os.environ["DU_TIMELINE"], r)
         with open(path + ".tmp", "w") as f:  # (whole or not at all: a rank may be stopped meanwhile)
             json.dump(trace, f)
@@ -230,7 +227,7 @@ def _expire(entries, now):
             f"du watchdog: rank {rank}: {name} waiting since {since} ({now - e.start:.1f} s, timeout {e.timeout:g} s; "
             f"last finished collective: {_state.done}); exiting{also}"
         )
-        _say(record("watchdog", rank=rank, waiting=name, stopped=stopped > 1))
+        _say(record(contract.WATCHDOG, rank=rank, waiting=name, stopped=stopped > 1))
     threading.Timer(GRACE, os._exit, (WATCHDOG_EXIT,)).start()  # (the exit, even if the writes below hang)
     with contextlib.suppress(Exception):  # the timeline as it stands: where this rank waits
         for e in list(_state.inflight):

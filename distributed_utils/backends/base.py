@@ -2,6 +2,7 @@
 only through ``collectives.py``, which check, watch and evaluate."""
 
 import abc
+import functools
 
 import mlx.core as mx
 
@@ -34,6 +35,12 @@ class AbstractBackend(abc.ABC):
     #: Whether ``allreduce`` also takes numpy arrays, and gives numpy ones back for them (a
     #: transport on host memory: numbers and numpy arrays then never become MLX arrays).
     host_buffers: bool = False
+
+    @functools.cached_property
+    def fully_sharded_units(self) -> list:
+        """The class names of the modules ``du.fully_shard`` made units over this backend, in the order made
+        (the same on every rank: it is collective); a unit's number is its place here."""
+        return []
 
     @abc.abstractmethod
     def allreduce(self, arrays: list, op: str, scale: float = 1.0, in_place: bool = False) -> list:

@@ -1,6 +1,7 @@
 """The contract between du-launch and its ranks: the variables du-launch sets (``job_environment``),
-the exit codes, and the JSON records a rank writes for du-launch (``record`` / ``read_record``). And
-what a transport needs of the environment: the MPI library and its start, the ring's addresses."""
+the exit codes, and the JSON records a rank writes for du-launch (``record`` / ``read_record``, and their
+events). And what a transport needs of the environment: the MPI library and its start, the ring's
+addresses."""
 
 import contextlib
 import functools
@@ -24,6 +25,9 @@ PREEMPTED_EXIT = 75
 SIGNAL_EXIT = 128
 
 _RECORD = "du-launch-record "
+#: The events of the records (``record``), each read by du-launch: a rank's account at exit, that its command
+#: finished, the link it measured (``--check``), that it was preempted, that its watchdog ended it.
+ACCOUNT, FINISHED, MEASURED, PREEMPTED, WATCHDOG = "account", "finished", "measured", "preempted", "watchdog"
 
 
 def job_environment(

@@ -4,8 +4,10 @@ their batches (and bit for bit like the replicated DistributedOptimizer), each r
 clipping, checkpoints, groups, and MLX's own sharded layers."""
 
 import gc
-import re
 import math
+import re
+import shutil
+import tempfile
 import weakref
 from functools import partial
 from pathlib import Path
@@ -82,8 +84,15 @@ def train(model, opt, steps):
     return model
 
 
-def whole(model):
-    return dict(tree_flatten(fsdp.whole_tree(model.parameters(), fsdp.sharded(model))))
+def whole(backend, model) -> dict:
+    """``model``'s parameters whole, as a user gets them: ``du.save_adapters(..., trainable_only=False)``."""
+    folder = du.bcast(backend, tempfile.mkdtemp() if backend.rank == 0 else None)
+    du.save_adapters(backend, f"{folder}/whole.safetensors", model, trainable_only=False)
+    arrays = mx.load(f"{folder}/whole.safetensors")
+    du.barrier(backend)  # (every rank has read it)
+    if backend.rank == 0:
+        shutil.rmtree(folder)
+    return arrays
 
 
 def assert_close(a, b, atol=2e-5):
@@ -102,7 +111,7 @@ def test_n_ranks_train_like_one_process_on_the_union(backend, reshard):
         mine,
     )
     one = train(net(), optim.Adam(1e-2), every)
-    assert_close(whole(model), dict(tree_flatten(one.parameters())))
+    assert_close(whole(backend, model), dict(tree_flatten(one.parameters())))
 
 
 class Peek(nn.Linear):
@@ -161,8 +170,8 @@ def test_like_the_replicated_optimizer_bit_for_bit_at_two_ranks(backend):
     assert all(state[k].shape == a.shape for k, a in expected_state.items())
     if backend.size > 2:
         assert_close(state, expected_state, atol=1e-6)
-        return assert_close(whole(model), expected, atol=1e-6)
-    for key, a in {**whole(model), **state}.items():
+        return assert_close(whole(backend, model), expected, atol=1e-6)
+    for key, a in {**whole(backend, model), **state}.items():
         assert mx.array_equal(a, {**expected, **expected_state}[key]).item(), key
 
 
@@ -178,7 +187,7 @@ def test_each_rank_holds_one_nth_of_the_parameters_and_state(backend):
         assert dict(tree_flatten(opt.state))[key + ".m"].shape == shard.shape
     # each shard is this rank's part of rank 0's parameters (fully_shard starts from rank 0's values)
     fresh = sharded(backend, net(seed=backend.rank))  # other values on other ranks
-    assert_close(whole(fresh), dict(tree_flatten(net(seed=0).parameters())), atol=0)
+    assert_close(whole(backend, fresh), dict(tree_flatten(net(seed=0).parameters())), atol=0)
 
 
 def test_frozen_parameters_are_gathered_and_never_reduced(backend):
@@ -190,7 +199,7 @@ def test_frozen_parameters_are_gathered_and_never_reduced(backend):
     frozen_before = dict(tree_flatten(model.embed.parameters()))
     model = train(model, du.DistributedOptimizer(backend, optim.SGD(0.1)), mine)
     train(one, optim.SGD(0.1), every)
-    assert_close(whole(model), dict(tree_flatten(one.parameters())))
+    assert_close(whole(backend, model), dict(tree_flatten(one.parameters())))
     for key, a in tree_flatten(model.embed.parameters()):
         assert mx.array_equal(a, frozen_before[key]).item()
 
@@ -204,7 +213,7 @@ def test_a_compute_dtype_gathers_and_computes_in_it_and_keeps_the_parameters(bac
     one.set_dtype(mx.bfloat16)
     train(one, optim.SGD(0.1), every)
     assert_close(
-        whole(model), {k: a.astype(mx.float32) for k, a in tree_flatten(one.parameters())}, atol=3e-2
+        whole(backend, model), {k: a.astype(mx.float32) for k, a in tree_flatten(one.parameters())}, atol=3e-2
     )
 
 
@@ -253,7 +262,10 @@ def test_a_checkpoint_holds_the_whole_model_and_resumes_bit_for_bit(backend, tmp
     again, opt2 = sharded(backend, net(seed=3)), du.DistributedOptimizer(backend, optim.Adam(1e-2))
     assert du.load_checkpoint(backend, path, model=again, optimizer=opt2)["extra"] == {"from": ""}  # rank 0's
     train(again, opt2, mine[2:])
-    resumed, expected = whole(again), whole(model)  # (each a gather of every parameter: once)
+    resumed, expected = (
+        whole(backend, again),
+        whole(backend, model),
+    )  # (each a gather of every parameter: once)
     for key, a in expected.items():
         assert mx.array_equal(a, resumed[key]).item(), key
     saved = mx.load(path)  # the whole parameters, at their own keys (a plain safetensors file)
@@ -312,7 +324,10 @@ def test_no_rank_holds_the_whole_model_to_save_or_load_it(backend, tmp_path, mon
     assert saving < 4 * largest < everything / backend.size, (saving, largest, everything)
     # loading: its new shards, and a few copies of the parameter in flight
     assert loading < everything / backend.size + 8 * largest < everything, (loading, largest, everything)
-    resumed, expected = whole(again), whole(model)  # (each a gather of every parameter: once)
+    resumed, expected = (
+        whole(backend, again),
+        whole(backend, model),
+    )  # (each a gather of every parameter: once)
     for key, a in expected.items():
         assert mx.array_equal(a, resumed[key]).item(), key
 
@@ -418,7 +433,7 @@ def test_hybrid_sharding_shards_within_a_group_and_averages_across(backend):
     with pytest.raises(ValueError, match="element-by-element"):  # (the shards of another group's units)
         du.DistributedOptimizer(across, optim.Adafactor()).update(model, grads)
     one = train(net(), optim.Adam(1e-2), every)
-    assert_close(whole(model), dict(tree_flatten(one.parameters())))
+    assert_close(whole(backend, model), dict(tree_flatten(one.parameters())))
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
@@ -445,7 +460,7 @@ def test_accumulation_and_a_schedule_train_like_one_process(backend):
         grads = [step(one, x, y)[1] for x, y in pair]
         opt.update(one, tree_map(lambda a, b: (a + b) / 2, *grads))
         mx.eval(one.parameters(), opt.state)
-    assert_close(whole(model), dict(tree_flatten(one.parameters())))
+    assert_close(whole(backend, model), dict(tree_flatten(one.parameters())))
 
 
 def test_synchronize_keeps_each_ranks_shards_and_sends_roots_replicated_parameters(backend):
@@ -524,7 +539,7 @@ def test_a_compiled_step_trains_like_the_uncompiled_one(backend):
         with du.watch("compiled step"):
             mx.eval(step(x, y), state)
     expected = train(sharded(backend, net()), du.DistributedOptimizer(backend, optim.SGD(0.1)), mine)
-    assert_close(whole(model), whole(expected), atol=1e-6)
+    assert_close(whole(backend, model), whole(backend, expected), atol=1e-6)
 
 
 def test_a_float16_reduce_scatter_scales_before_it_sums(backend):
@@ -554,11 +569,17 @@ def test_compute_dtype_leaves_integer_quantized_parameters_alone(backend):
 
 
 def test_a_block_sharded_after_its_root_is_refused(backend):
-    """Its parameters are shards of the root's already: sharded again, they would be cut twice."""
+    """Its parameters are shards of the root's already: sharded again, they would be cut twice (also once the
+    root is gone: a block kept from it still holds the root's shards)."""
     root = net()
     du.fully_shard(backend, root)
     with pytest.raises(ValueError, match="inside a fully sharded one"):
         du.fully_shard(backend, root.blocks[0])
+    block = root.blocks[0]
+    del root
+    gc.collect()
+    with pytest.raises(ValueError, match="inside a fully sharded one"):
+        du.fully_shard(backend, block)
 
 
 class SkipsOnRank1(Net):
@@ -592,6 +613,20 @@ def test_ranks_that_call_different_fully_sharded_units_fail_on_every_rank_naming
     )
     assert "the ranks gather different fully sharded units" in str(raised.value), raised.value
     assert units and int(units[2]) == int(units[1]) + 1, raised.value  # (rank 1 is in the next block)
+
+
+@pytest.mark.world(min_size=2, backend=(du.MPIBackend, du.MLXMPIBackend))  # (MLX's ring cannot split)
+def test_units_of_groups_do_not_unsettle_the_numbers_of_the_jobs_units(backend):
+    """Found by review: units were numbered across the process, so a rank that had made a unit over a group
+    of its own gathered the job's first unit under another number than the others: a false "the ranks gather
+    different fully sharded units". Each backend numbers its own."""
+    alone = du.split(backend, backend.rank)  # (each rank a group of its own)
+    for _ in range(backend.rank):
+        du.fully_shard(alone, Block(5))
+    every, mine = batches(backend)
+    model = train(sharded(backend, net()), du.DistributedOptimizer(backend, optim.Adam(1e-2)), mine)
+    one = train(net(), optim.Adam(1e-2), every)
+    assert_close(whole(backend, model), dict(tree_flatten(one.parameters())))
 
 
 class WithNothing(Block):
