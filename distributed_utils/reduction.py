@@ -78,42 +78,48 @@ class Reduction:
     def reduce(self, tree, *, scale=1.0, weight=None, scatter=False, verify=True, what=None):
         """Collective: ``tree``'s floating mx.arrays reduced (``Pending.wait()`` gives them). ``weight``: this
         rank's; ``scatter``: 1-d leaves of lengths N divides, each back as this rank's part (a reduce-scatter).
-        An all-reduce's buckets start one by one, the last leaves' first (a backward pass computes them first),
-        each as soon as its leaves are computed, and travel while this rank computes the rest (``start_sum``):
-        the tree is never evaluated whole before the first bucket leaves."""
+        In named steps: ``check``, ``_encode``, ``_transport``, and at ``wait`` the decoding."""
         what, weight = what or "reduce_gradients(grads)", None if weight is None else as_weight(weight)
         arrays = [g for _, g in self.check(tree, weight, what, verify, scale)]
         if self.backend.size == 1 and weight is None:  # (a reduce-scatter's one part is the whole)
             return Pending(lambda: replace_arrays(tree, [g if scale == 1.0 else g * scale for g in arrays]))
-        if weight is not None:
-            share = self._share(weight, what)
-        else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards
-            share = average_factor(self.backend)
-            scale = scale if self.op == "avg" else scale * self.backend.size
+        sent, transport_scale, decode = self._encode(arrays, scale, weight, what)
         # MLX's cache keeps 32 MiB by default: a larger buffer freed each step would be mapped anew each step
         limit = 4 * sum(g.nbytes for g in arrays)
         previous = mx.set_cache_limit(limit)
         if previous > limit:
             mx.set_cache_limit(previous)
+        sums = self._transport(sent, transport_scale, scatter)
+        return Pending(lambda: replace_arrays(tree, decode(sums())))
+
+    def _encode(self, arrays, scale, weight, what) -> tuple:
+        """Collective if weighted or int8: ``(what travels, the transport's scale, sums -> results)``, by the
+        module's table."""
+        if weight is not None:
+            share = self._share(weight, what)
+        else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards
+            share = average_factor(self.backend)
+            scale = scale if self.op == "avg" else scale * self.backend.size
         if self.compression is None and weight is None:  # as they are: the transport scales
-            sent, units, transport_scale = arrays, None, share * scale
-        else:
-            units = self._units(arrays, share)
-            sent = [_scaled(g, share / unit, self._wire(g)) for g, unit in zip(arrays, units)]
-            transport_scale = 1.0
-        if scatter:  # (each array its own: this rank's part of it)
-            scattered = [reduce_scatter_sum(self.backend, flat, transport_scale) for flat in sent]
-        else:  # each bucket's sum starts once its gradients are computed, while the rest compute
-            groups = buckets(sent, self._bucket_limit(sent))
-            started = [start_sum(self.backend, [pack(sent, g)], transport_scale, len(g) > 1) for g in groups]
+            return arrays, share * scale, lambda sums: sums
+        units = self._units(arrays, share)
+        sent = [_scaled(g, share / unit, self._wire(g)) for g, unit in zip(arrays, units)]
 
-        def reduced():  # (in place: the packer's copies alone; a lone array's memory MLX may read on)
-            out = scattered if scatter else unpack([s.wait()[0] for s in started], sent, groups)
-            if units is not None:
-                out = [_scaled(piece, unit * scale, g.dtype) for piece, unit, g in zip(out, units, arrays)]
-            return replace_arrays(tree, out)
+        def decode(sums):
+            return [_scaled(piece, unit * scale, g.dtype) for piece, unit, g in zip(sums, units, arrays)]
 
-        return Pending(reduced)
+        return sent, 1.0, decode
+
+    def _transport(self, sent, scale, scatter):
+        """Collective: the sums of ``sent`` times ``scale`` started (``scatter``: this rank's part of each),
+        and the function that waits. Buckets (the last leaves' first: a backward pass makes them first) start
+        as their leaves are computed; in place, the packer's copies only (MLX may read a lone gradient on)."""
+        if scatter:
+            scattered = [reduce_scatter_sum(self.backend, flat, scale) for flat in sent]
+            return lambda: scattered
+        groups = buckets(sent, self._bucket_limit(sent))
+        started = [start_sum(self.backend, [pack(sent, g)], scale, len(g) > 1) for g in groups]
+        return lambda: unpack([s.wait()[0] for s in started], sent, groups)
 
     def check(self, tree, weight, what, verify=True, scale=1.0) -> list:
         """Collective: ``[(key, array)]``, the (floating, else TypeError) mx.arrays of ``tree``, once every

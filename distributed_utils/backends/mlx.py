@@ -51,8 +51,7 @@ class MLXBackend(AbstractBackend):
         """Set up what ``mx.distributed.init`` needs in a launched job; raise if it cannot work."""
 
     def allreduce(self, arrays, op, scale=1.0, in_place=False):
-        # Scaling before the sum costs nothing extra: all_sum copies an input it cannot
-        # overwrite, and the scaling is that copy. (MLX reuses temporaries by itself.)
+        # Scaled first at no cost: all_sum copies an input it cannot overwrite; the scaling is that copy
         return [self._reduce(a, op, scale) for a in arrays]
 
     def stream(self):
