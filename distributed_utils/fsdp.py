@@ -33,8 +33,8 @@ class FullyShardedModule(nn.Module):
 
 class _Unit:
     """What ``fully_shard`` keeps of a module, outside its parameters: ``shapes``, the whole ones by key;
-    ``index``, its number among the units made over its backend (``backend.fully_sharded_units``: each
-    backend numbers its own, as groups make their own); ``calls``, how often it gathered."""
+    ``index``, its number among its backend's units (``backend.fully_sharded_units``: groups number their
+    own); ``calls``, how often it gathered where checked (not while MLX traces: on one rank alone, maybe)."""
 
     def __init__(self, backend, name, shapes, compute_dtype, recompute):
         self.backend, self.shapes, self.calls = backend, shapes, 0
@@ -60,9 +60,13 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
             "du.fully_shard: its recomputation would run on the shards. reshard_after_forward=True already "
             "recomputes each unit in the backward pass; with False, apply grad_checkpoint after du.fully_shard"
         )
-    if getattr(module, "_du_inside", False):  # (its parameters would be sharded twice)
-        raise ValueError("du.fully_shard: the module is inside a fully sharded one; shard blocks first")
-    own, nested = _own(module), any(isinstance(m, FullyShardedModule) for m in module.modules())
+    named = module.named_modules()  # (a module two paths reach: at each)
+    units = tuple(f"{p}." for p, m in named if isinstance(m, FullyShardedModule))  # (theirs are marked)
+    inside = [p for p, m in named if getattr(m, "_du_inside", False) and not f"{p}.".startswith(units)]
+    if inside:  # (its parameters would be sharded twice: it, or one it shares with a fully sharded module)
+        which = f"its '{inside[0]}'" if inside[0] else "the module"
+        raise ValueError(f"du.fully_shard: {which} is inside a fully sharded one; shard blocks first")
+    own, nested = _own(module), bool(units)
     layout = [(k, a.shape, str(a.dtype)) for k, a in own]
     settings = {"parameters (key, shape, dtype)": layout, "compute_dtype": str(compute_dtype)}
     check_same(backend, "du.fully_shard", {**settings, "reshard_after_forward": reshard_after_forward})
@@ -113,13 +117,13 @@ def gather(backend, shards: list, shapes: list, unit=None) -> list:
         return []
     tag = []
     if unit is not None:  # (which unit, and which call of it, this rank gathers)
-        unit.calls += 1
-        tag = [mx.array([unit.index, unit.calls], mx.int64).view(mx.uint8)]
+        tag = [mx.array([unit.index, unit.calls + 1], mx.int64).view(mx.uint8)]
     packed = [s.view(mx.uint8) for s in shards if s.size] + tag
     if not packed:  # (0-element arrays: nothing travels; MLX makes them)
         return [mx.zeros(shape, s.dtype) for s, shape in zip(shards, shapes)]
     rows = allgather(backend, mx.concatenate(packed)[None])  # (one row of bytes per rank)
     if unit is not None and evaluate(rows):
+        unit.calls += 1
         _check_tags(to_numpy(rows[:, -16:]).view(np.int64), backend.fully_sharded_units)
     wholes, start = [], 0
     for s, shape in zip(shards, shapes):
@@ -134,7 +138,8 @@ def _check_tags(tags, names: list):
     """ValueError on every rank (each sees every rank's tag) unless they gather the same unit's same call."""
     if (tags == tags[0]).all():
         return
-    doing = "; ".join(f"rank {r}: unit {i} ({names[i]}), call {c}" for r, (i, c) in enumerate(tags))
+    named = dict(enumerate(names))  # (?: a unit this rank never made, made on some ranks only)
+    doing = "; ".join(f"rank {r}: unit {i} ({named.get(i, '?')}), call {c}" for r, (i, c) in enumerate(tags))
     raise ValueError(
         f"du.fully_shard: the ranks gather different fully sharded units ({doing}): every rank must call its "
         "fully sharded modules in the same order, as often (skipping blocks or routing to experts differently "

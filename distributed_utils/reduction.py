@@ -77,8 +77,7 @@ class Reduction:
 
     def reduce(self, tree, *, scale=1.0, weight=None, scatter=False, verify=True, what=None):
         """Collective: ``tree``'s floating mx.arrays reduced (``Pending.wait()`` gives them). ``weight``: this
-        rank's; ``scatter``: 1-d leaves of lengths N divides, each back as this rank's part (a reduce-scatter).
-        In named steps: ``check``, ``_encode``, ``_transport``, and at ``wait`` the decoding."""
+        rank's; ``scatter``: 1-d leaves of lengths N divides, each given back as this rank's part."""
         what, weight = what or "reduce_gradients(grads)", None if weight is None else as_weight(weight)
         arrays = [g for _, g in self.check(tree, weight, what, verify, scale)]
         if self.backend.size == 1 and weight is None:  # (a reduce-scatter's one part is the whole)
@@ -93,8 +92,7 @@ class Reduction:
         return Pending(lambda: replace_arrays(tree, decode(sums())))
 
     def _encode(self, arrays, scale, weight, what) -> tuple:
-        """Collective if weighted or int8: ``(what travels, the transport's scale, sums -> results)``, by the
-        module's table."""
+        """Collective if weighted or int8: ``(sent, the transport's scale, sums -> results)``: the table."""
         if weight is not None:
             share = self._share(weight, what)
         else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards
@@ -111,9 +109,8 @@ class Reduction:
         return sent, 1.0, decode
 
     def _transport(self, sent, scale, scatter):
-        """Collective: the sums of ``sent`` times ``scale`` started (``scatter``: this rank's part of each),
-        and the function that waits. Buckets (the last leaves' first: a backward pass makes them first) start
-        as their leaves are computed; in place, the packer's copies only (MLX may read a lone gradient on)."""
+        """Collective: the sums of ``sent`` times ``scale`` started, and the function that waits. ``scatter``:
+        this rank's part of each; else buckets, the last leaves' first, each started once computed."""
         if scatter:
             scattered = [reduce_scatter_sum(self.backend, flat, scale) for flat in sent]
             return lambda: scattered

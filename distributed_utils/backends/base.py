@@ -38,8 +38,7 @@ class AbstractBackend(abc.ABC):
 
     @functools.cached_property
     def fully_sharded_units(self) -> list:
-        """The class names of the modules ``du.fully_shard`` made units over this backend, in the order made
-        (the same on every rank: it is collective); a unit's number is its place here."""
+        """Class names of the units ``du.fully_shard`` made over this backend; a unit's number: its place."""
         return []
 
     @abc.abstractmethod

@@ -25,8 +25,7 @@ PREEMPTED_EXIT = 75
 SIGNAL_EXIT = 128
 
 _RECORD = "du-launch-record "
-#: The events of the records (``record``), each read by du-launch: a rank's account at exit, that its command
-#: finished, the link it measured (``--check``), that it was preempted, that its watchdog ended it.
+#: The events of the records (``record``), each read by du-launch (what each carries: docs/architecture.md).
 ACCOUNT, FINISHED, MEASURED, PREEMPTED, WATCHDOG = "account", "finished", "measured", "preempted", "watchdog"
 
 

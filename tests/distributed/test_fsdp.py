@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 import pytest
 from mlx.nn.layers import distributed as mlx_sharded
 from mlx.utils import tree_flatten, tree_map
@@ -580,6 +581,72 @@ def test_a_block_sharded_after_its_root_is_refused(backend):
     gc.collect()
     with pytest.raises(ValueError, match="inside a fully sharded one"):
         du.fully_shard(backend, block)
+
+
+class TwoHeads(nn.Module):
+    """One of two models sharing an encoder (tied across two heads, a reference model's embedding)."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder, self.head = encoder, nn.Linear(5, 2)
+
+    def __call__(self, x):
+        return self.head(self.encoder(x))
+
+
+def test_a_module_shared_with_a_fully_sharded_model_is_refused(backend):
+    """Found by an adversarial test: the second model's root sharded the shared encoder's shards again (no
+    error; the first model then failed naming whole weights loaded after sharding, or, where a shard is of one
+    element, computed with another rank's values). Shared as a unit of its own, sharded first, it trains."""
+    mx.random.seed(0)
+    encoder = Block(5)
+    first, second = TwoHeads(encoder), TwoHeads(encoder)
+    du.synchronize(backend, first)
+    du.synchronize(backend, second)
+    du.fully_shard(backend, first)
+    with pytest.raises(ValueError, match="its 'encoder' is inside a fully sharded one"):
+        du.fully_shard(backend, second)
+    with pytest.raises(ValueError, match="its 'encoder' is inside a fully sharded one"):
+        du.fully_shard(backend, TwoHeads(encoder.up))  # (a module wrapping one inside a unit: LoRA's)
+    encoder = Block(5)
+    first, second = TwoHeads(encoder), TwoHeads(encoder)
+    du.synchronize(backend, first)
+    du.synchronize(backend, second)
+    x = mx.random.normal((2, 5))
+    expected = [first(x), second(x)]
+    du.fully_shard(backend, encoder)
+    for model, want in zip((first, second), expected):
+        assert_close({"out": du.fully_shard(backend, model)(x)}, {"out": want}, atol=1e-6)
+
+
+@pytest.mark.world(min_size=2)
+def test_a_compiled_step_that_retraces_on_one_rank_alone_is_no_call_of_its_units(backend):
+    """Found by an adversarial test: each trace of a compiled step counted its units' calls, so a rank whose
+    last batch was shorter (a trace of its own) gathered at the next uncompiled call (an evaluation) under
+    another call than the others: a false "the ranks gather different fully sharded units"."""
+    model = sharded(backend, net())
+    opt = du.DistributedOptimizer(backend, optim.Adam(1e-2))
+    state = [model.state, opt.state]
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(x, y):
+        loss, grads = loss_and_grad(model, x, y)
+        opt.update(model, grads)
+        return loss
+
+    for i, (x, y) in enumerate(batches(backend)[1]):
+        rows = 3 if i == 2 and backend.rank == 0 else 4  # (rank 0's last batch is shorter: it traces again)
+        mx.eval(step(x[:rows], y[:rows]), state)
+    mx.eval(model(mx.ones((2, 3))))  # (uncompiled: its gathers are checked)
+
+
+def test_a_unit_not_made_on_every_rank_is_named_so(backend):
+    """Found by an adversarial test: a rank's gather met another rank's of a unit it had not made (made on some
+    ranks only, or bytes of another collective), and the check raised IndexError naming nothing."""
+    tags = np.array([[0, 1], [8, 1], [9, 1]], np.int64)
+    with pytest.raises(ValueError, match=r"rank 0: unit 0 \(Block\), call 1; rank 1: unit 8 \(\?\), call 1"):
+        fsdp._check_tags(tags, ["Block"])
 
 
 class SkipsOnRank1(Net):
