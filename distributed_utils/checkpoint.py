@@ -117,13 +117,13 @@ def _write(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then
             raise CheckpointError("; ".join(errors))
         written = {k: (dtype_name(dtype), shape) for k, (dtype, shape) in specs.items()}
         _read_back(backend, tmp, written, crcs, offsets)  # (as a load reads it)
-        root_runs(
-            backend, partial(_finished, tmp, path, room, header, then), 0, CheckpointError, f"write {path}"
-        )
+        root_runs(backend, partial(_finished, tmp, path, room, header), 0, CheckpointError, f"write {path}")
     except CheckpointError:
         if backend.rank == 0:
             tmp.unlink(missing_ok=True)
         raise
+    if then:  # (path is in place: a failure now is not one of writing it)
+        root_runs(backend, then, 0, CheckpointError, f"finish the save after writing {path} (it is in place)")
 
 
 def _seen_everywhere(backend, tmp: Path, token: bytes) -> bool:
@@ -297,9 +297,9 @@ def _started(path: Path, stale=None):
     return tmp, token
 
 
-def _finished(tmp: Path, path: Path, room: int, header: bytes, then=None):
+def _finished(tmp: Path, path: Path, room: int, header: bytes):
     """``tmp`` (its arrays written and read back) given ``header`` (``room`` bytes), fsynced, its header read
-    by MLX as a load will, renamed to ``path``, its folder synced, then ``then()``."""
+    by MLX as a load will, renamed to ``path``, its folder synced."""
     with open(tmp, "r+b") as f:
         f.write(struct.pack("<Q", room) + header.ljust(room))
         f.flush()
@@ -311,8 +311,6 @@ def _finished(tmp: Path, path: Path, room: int, header: bytes, then=None):
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    if then:
-        then()
 
 
 def _header(specs: dict, metadata: dict, crcs: dict) -> bytes:

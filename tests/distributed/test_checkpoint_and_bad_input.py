@@ -328,6 +328,40 @@ def test_a_directory_of_checkpoints_falls_back_to_the_newest_intact_one(
         assert damaged.exists() == read_only
 
 
+def test_a_save_after_a_fallback_that_could_not_set_aside_says_its_file_is_in_place(
+    backend, tmp_path, monkeypatch
+):
+    """Found by an adversarial test: where the load could not set the damaged newer checkpoint aside (it
+    stays), the next save (of an earlier step) failed to set it aside as superseded and said it "could not
+    write" its file, which was in place, and which the next load loaded."""
+    folder = du.bcast(backend, str(tmp_path / "cks"))
+    for step in (1, 2, 3):
+        du.save_checkpoint(backend, folder, model=nn.Linear(3, 4), step=step, keep=3)
+    if du.local_rank(backend) == 0:
+        flip_a_byte(tmp_path / "cks" / "step-000000000003.safetensors", "model.bias")
+
+    def rename(path, to):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert du.load_checkpoint(backend, folder, model=nn.Linear(3, 4))["step"] == 2
+    model = nn.Linear(3, 4)
+    model.update({"bias": mx.full((4,), 7.0)})
+    with pytest.raises(
+        du.CheckpointError,
+        match=r"could not finish the save after writing .*step-000000000002.safetensors \(it is in place\): "
+        r"OSError: .*Read-only file system: .*step-000000000003.safetensors",
+    ):
+        du.save_checkpoint(backend, folder, model=model, step=2, keep=3)
+    loaded = nn.Linear(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert du.load_checkpoint(backend, folder, model=loaded)["step"] == 2
+    assert (np.array(loaded.bias) == 7.0).all()
+
+
 def rewrite_header(path, change):
     """Rewrite the safetensors header of the file at ``path`` with ``change(header)``."""
     data = path.read_bytes()
