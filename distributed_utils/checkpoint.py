@@ -379,7 +379,7 @@ def _newest_intact(backend, path: Path):
                 root_runs(backend, set_aside, 0, CheckpointError, f"set aside damaged checkpoints in {path}")
             except CheckpointError as e:  # (a read-only folder: they stay; the older one still loads)
                 if backend.rank == 0:
-                    warnings.warn(f"{e}; loading {candidate}, older: {'; '.join(damaged.values())}")
+                    warnings.warn(f"{e}{note}")
         return candidate, header
     if damaged:
         raise CheckpointError(f"no intact checkpoint in {path}: {'; '.join(damaged.values())}")

@@ -77,7 +77,7 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     unit = _Unit(backend, type(module).__name__, shapes, compute_dtype, recompute)
     object.__setattr__(module, "_du_unit", unit)
     module.__class__ = _sharded_class(type(module))
-    for m in module.modules():  # (marked: a module inside is refused, even once this one is gone)
+    for _, m in named:  # (marked: a module inside is refused, even once this one is gone)
         object.__setattr__(m, "_du_inside", True)
     _units.append(weakref.ref(module))
     return module

@@ -115,6 +115,7 @@ class Reduction:
             scattered = [reduce_scatter_sum(self.backend, flat, scale) for flat in sent]
             return lambda: scattered
         groups = buckets(sent, self._bucket_limit(sent))
+        # (in place: a bucket's packed copy; a lone gradient's memory MLX may still read)
         started = [start_sum(self.backend, [pack(sent, g)], scale, len(g) > 1) for g in groups]
         return lambda: unpack([s.wait()[0] for s in started], sent, groups)
 

@@ -20,6 +20,7 @@ import pytest
 from mlx.nn.layers import distributed as mlx_sharded
 from mlx.utils import tree_flatten, tree_map
 from primitives import counted
+from test_optimizer import compiled_step
 
 import distributed_utils as du
 from distributed_utils import fsdp
@@ -626,18 +627,10 @@ def test_a_compiled_step_that_retraces_on_one_rank_alone_is_no_call_of_its_units
     another call than the others: a false "the ranks gather different fully sharded units"."""
     model = sharded(backend, net())
     opt = du.DistributedOptimizer(backend, optim.Adam(1e-2))
-    state = [model.state, opt.state]
-    loss_and_grad = nn.value_and_grad(model, loss_fn)
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def step(x, y):
-        loss, grads = loss_and_grad(model, x, y)
-        opt.update(model, grads)
-        return loss
-
+    step = compiled_step(model, opt, loss_fn)
     for i, (x, y) in enumerate(batches(backend)[1]):
         rows = 3 if i == 2 and backend.rank == 0 else 4  # (rank 0's last batch is shorter: it traces again)
-        mx.eval(step(x[:rows], y[:rows]), state)
+        mx.eval(step(x[:rows], y[:rows]), model.state, opt.state)
     mx.eval(model(mx.ones((2, 3))))  # (uncompiled: its gathers are checked)
 
 

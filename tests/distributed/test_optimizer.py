@@ -362,9 +362,9 @@ def test_compressed_accumulated_training_stays_close(backend):
 # ---- drop-in: compile, state, attributes ----
 
 
-def compiled_step(model, opt):
+def compiled_step(model, opt, loss=loss_fn):
     state = [model.state, opt.state]
-    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    loss_and_grad = nn.value_and_grad(model, loss)
 
     @partial(mx.compile, inputs=state, outputs=state)
     def step(x, y):
