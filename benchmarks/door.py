@@ -63,7 +63,7 @@ def main():
         "  backend.allreduce([mx.array])": ("allreduce", lambda: mx.eval(backend.allreduce([m], "sum"))),
         "  the door (collectives.allreduce_arrays)": (
             "allreduce",
-            lambda: collectives.allreduce_arrays(backend, m, "sum", what="allreduce"),
+            lambda: mx.eval(collectives.allreduce_arrays(backend, [m], "sum", what="allreduce")),
         ),
         "du.allreduce(mx.array of 4 floats)": (raw_of_mx, lambda: du.allreduce(backend, m, "sum")),
         "du.allreduce(numpy array of 4 floats)": ("allreduce", lambda: du.allreduce(backend, x, "sum")),

@@ -78,7 +78,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         self._steps = 0  # inner steps taken
         self._weights = None  # per fragment: this rank's weight since its last sync (None: unweighted)
         self._local = {}  # {flat key: this rank's latest local parameters}
-        self._feedback = {}  # {flat key: this rank's error feedback (float32)}, with a codec
+        self._feedback = {}  # {flat key: this rank's error feedback (float32; none yet: zeros)}, with a codec
 
     @property
     def state(self) -> dict:
@@ -112,8 +112,6 @@ class DiLoCo(OptimizerState, optim.Optimizer):
                 "parameter arrays; a fragment is at least one array"
             )
         self._global, self._local = dict(leaves), dict(leaves)  # (no copy: MLX arrays do not change)
-        if self.codec:
-            self._feedback = {k: mx.zeros(a.shape, mx.float32) for k, a in leaves}
         self._fragment_keys = _fragments(leaves, self.fragments)
         self.inner_optimizer.init(parameters)
         self.outer_optimizer.init(self._global)
@@ -127,8 +125,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         started = {k: a for pending in self._started.values() for k, a in pending.wait().items()}
         weights = mx.zeros((0,)) if self._weights is None else mx.stack(self._weights)
         mine = {"inner": self.inner_optimizer.state, "local": self._local, "weights": weights}
-        if self.codec:
-            mine["feedback"] = self._feedback
+        mine["feedback"] = self._feedback
         ranks = tree_map(lambda a: allgather(self.backend, a[None]), mine)
         return {**self.state, "started": started, "ranks": ranks}
 

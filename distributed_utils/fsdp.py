@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .arrays import bits, evaluate, is_floating, to_mx, to_numpy
 from .collectives import allgather, allreduce, bcast, check_backend, check_same
 from .reduction import Reduction
-from .tree import replace_arrays
+from .tree import columns, replace_arrays
 
 _units = []  # weak references to every fully sharded module of this process, of any backend (``sharded``)
 
@@ -118,19 +118,16 @@ def gather(backend, shards: list, shapes: list, unit=None) -> list:
     tag = []
     if unit is not None:  # (which unit, and which call of it, this rank gathers)
         tag = [mx.array([unit.index, unit.calls + 1], mx.int64).view(mx.uint8)]
-    packed = [s.view(mx.uint8) for s in shards if s.size] + tag
-    if not packed:  # (0-element arrays: nothing travels; MLX makes them)
+    sent = [s.view(mx.uint8) for s in shards if s.size] + tag
+    if not sent:  # (0-element arrays: nothing travels; MLX makes them)
         return [mx.zeros(shape, s.dtype) for s, shape in zip(shards, shapes)]
-    rows = allgather(backend, mx.concatenate(packed)[None])  # (one row of bytes per rank)
+    rows = allgather(backend, mx.concatenate(sent)[None])  # (one row of bytes per rank)
     if unit is not None and evaluate(rows):
         unit.calls += 1
         _check_tags(to_numpy(rows[:, -16:]).view(np.int64), backend.fully_sharded_units)
-    wholes, start = [], 0
-    for s, shape in zip(shards, shapes):
-        size = s.size * s.dtype.size
-        whole = rows[:, start : start + size].reshape(-1).view(s.dtype)[: math.prod(shape)]
-        wholes.append(whole.reshape(shape))
-        start += size
+    wholes, widths = [], [s.nbytes for s in shards] + [t.nbytes for t in tag]
+    for part, s, shape in zip(columns(rows, widths), shards, shapes):
+        wholes.append(part.reshape(-1).view(s.dtype)[: math.prod(shape)].reshape(shape))
     return wholes
 
 
@@ -362,9 +359,6 @@ def check_elementwise(optimizer, who: str):
         f"{who} steps shards of the parameters, which is exact only for element-by-element optimizers "
         f"({names}); {type(optimizer).__name__} cannot be split so: {why}"
     )
-
-
-# --- MLX's own sharded layers ----------------------------------------------------------------
 
 
 def check_mlx_sharding(backend, model, who: str, replicated_ok=True):

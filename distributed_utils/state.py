@@ -11,21 +11,18 @@ from mlx.optimizers import MultiOptimizer, Optimizer
 
 class OptimizerState:
     """What ``synchronize`` and checkpoints ask of an optimizer. Each subclass defines ``rule_name`` and
-    ``initialized``; the others default to a state replicated in ``self.state``, the same on every rank."""
+    ``initialized`` (whether the state holds its per-parameter entries: after ``init`` or an update); the
+    others default to a state replicated in ``self.state``, the same on every rank."""
 
     def rule_name(self) -> str:
         """The update rule's class name, which a checkpoint records and checks at load."""
         return type(self).__name__
-
-    def initialized(self) -> bool:
-        """Whether the state holds its per-parameter entries (after ``init`` or an update)."""
 
     def shared_state(self) -> dict:
         """The part of the state that every rank holds alike (``synchronize`` sends root's)."""
         return self.state
 
     def set_shared_state(self, state: dict):
-        """Set ``shared_state()``'s part."""
         self.state = state
 
     def whole_state(self) -> dict:

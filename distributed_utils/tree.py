@@ -48,20 +48,28 @@ def buckets(arrays, limit: int) -> list:
     return groups
 
 
-def pack(arrays, bucket) -> mx.array:
-    """The arrays at the indices ``bucket`` as one flat array (a lone array as it is)."""
-    return arrays[bucket[0]] if len(bucket) == 1 else mx.concatenate([arrays[i].reshape(-1) for i in bucket])
+def pack(arrays, bucket, rows=1) -> mx.array:
+    """The arrays at the indices ``bucket`` as one flat array (a lone array as it is): each cut in ``rows``
+    rows, row r of each after row r of the one before (N rows: a reduce-scatter gives rank r row r of all)."""
+    if len(bucket) == 1:
+        return arrays[bucket[0]]
+    return mx.concatenate([arrays[i].reshape(rows, -1) for i in bucket], axis=1).reshape(-1)
 
 
-def unpack(flats, arrays, groups) -> list:
-    """``pack``'s inverse: ``flats`` (one per bucket of ``groups``) cut into arrays shaped like ``arrays``,
-    in their order (a lone array: itself, which may have been reduced in its own memory)."""
+def unpack(flats, arrays, groups, rows=1) -> list:
+    """``pack``'s inverse: ``flats`` (a collective's result of each bucket of ``groups``: one row of each
+    array) cut into arrays shaped like ``arrays`` (``rows`` > 1: 1-d), in their order."""
     out = [None] * len(arrays)
     for group, flat in zip(groups, flats):
-        cuts = list(itertools.accumulate(arrays[i].size for i in group))[:-1]
-        for i, part in zip(group, mx.split(flat, cuts) if cuts else [flat]):
-            out[i] = part if part.shape == arrays[i].shape else part.reshape(arrays[i].shape)
+        for i, part in zip(group, columns(flat.reshape(1, -1), [arrays[i].size // rows for i in group])):
+            out[i] = part.reshape(arrays[i].shape if rows == 1 else -1)
     return out
+
+
+def columns(matrix, widths) -> list:
+    """The columns of a 2-d ``matrix`` cut in ``widths``: what a collective gives of each packed array."""
+    cuts = list(itertools.accumulate(widths))[:-1]
+    return mx.split(matrix, cuts, axis=1) if cuts else [matrix]
 
 
 def describe(tree) -> list:

@@ -31,6 +31,7 @@ class _State:
     first, last = None, None  # when the first collective began, and the last ended
     steps, sent = 0, 0  # optimizer steps, and bytes given to collectives
     timeline = None  # with DU_TIMELINE: (seq, group, what, start, end, bytes) of each collective and region
+    timeline_file = None  # DU_TIMELINE's, read with the first collective
     lock = threading.Lock()  # for starting the thread
     inflight = {}  # the regions in flight (as keys); one C-level dict operation at a time (GIL)
     stopped = []  # (from, to): when this process did not run
@@ -45,7 +46,7 @@ def configure(timeout=None, debug=None):
     setting, initially ``DU_TIMEOUT`` (default 300) and ``DU_DEBUG`` (default off)."""
     where = "timeout"
     if timeout is None and _state.timeout is None:  # (the environment is read once, not at every watch)
-        where, timeout = "DU_TIMEOUT", os.environ.get("DU_TIMEOUT") or DEFAULT_TIMEOUT
+        where, timeout = "DU_TIMEOUT", contract.watchdog_environment()["timeout"] or DEFAULT_TIMEOUT
     if timeout is not None:
         try:
             seconds = float(timeout)
@@ -55,8 +56,7 @@ def configure(timeout=None, debug=None):
             raise ValueError(f"{where}={timeout!r} is not a number of seconds >= 0 (0: never)")
         _state.timeout = seconds
     if debug is not None or _state.debug is None:
-        debug = os.environ.get("DU_DEBUG", "0") not in ("", "0", "false", "no") if debug is None else debug
-        _state.debug = bool(debug)
+        _state.debug = contract.watchdog_environment()["debug"] if debug is None else bool(debug)
 
 
 class Collective:
@@ -154,7 +154,8 @@ def _register(region):
     if _state.thread is None:  # (started: no lock to take at every collective)
         with _state.lock:
             if _state.thread is None:
-                _state.timeline = [] if os.environ.get("DU_TIMELINE") else None
+                _state.timeline_file = contract.watchdog_environment()["timeline"]
+                _state.timeline = [] if _state.timeline_file else None
                 atexit.register(_account)
                 _state.thread = threading.Thread(target=_watch_loop, name="du-watchdog", daemon=True)
                 _state.thread.start()
@@ -193,7 +194,7 @@ def _account(say=True):
         for s, g, w, a, b, n in _state.timeline:
             span = dict(name=w, ph="X", ts=a * 1e6 + t0, dur=(b - a) * 1e6, pid=r, tid=0)
             trace.append({**span, "args": dict(seq=s, group=g, bytes=n)})
-        path = timeline_path(os.environ["DU_TIMELINE"], r)
+        path = timeline_path(_state.timeline_file, r)
         with open(path + ".tmp", "w") as f:  # (whole or not at all: a rank may be stopped meanwhile)
             json.dump(trace, f)
         os.replace(path + ".tmp", path)

@@ -129,6 +129,19 @@ def report_path():
     return None if not folder else os.path.join(folder, f"rank-{launched_rank()}.report")
 
 
+def watchdog_environment() -> dict:
+    """What ``job_environment`` sets for a rank's watchdog: ``timeout`` (``DU_TIMEOUT``'s text, or None),
+    ``debug`` (``DU_DEBUG``: on or off) and ``timeline`` (``DU_TIMELINE``'s file, or None)."""
+    debug = os.environ.get("DU_DEBUG", "0") not in ("", "0", "false", "no")
+    return dict(timeout=os.environ.get("DU_TIMEOUT"), debug=debug, timeline=os.environ.get("DU_TIMELINE"))
+
+
+def launched_by_mlx(mlx_name: str) -> bool:
+    """Whether a launcher started this process for MLX's backend ``mlx_name`` in a job of more than one."""
+    variable = {"ring": "MLX_HOSTFILE", "nccl": "MLX_WORLD_SIZE", "jaccl": "MLX_IBV_DEVICES"}.get(mlx_name)
+    return launched_by_mpirun() if mlx_name == "mpi" else variable in os.environ
+
+
 def timeline_path(path: str, rank) -> str:  # (DU_TIMELINE=trace.json: trace.rank-R.json)
     return os.path.splitext(path)[0] + f".rank-{rank}.json"
 

@@ -16,7 +16,6 @@ from ..arrays import UINT_BY_SIZE, evaluate
 from .base import AbstractBackend, BackendUnavailableError
 
 _REDUCE = {"sum": mx.distributed.all_sum, "max": mx.distributed.all_max, "min": mx.distributed.all_min}
-_LAUNCHED_BY = {"ring": "MLX_HOSTFILE", "nccl": "MLX_WORLD_SIZE", "jaccl": "MLX_IBV_DEVICES"}  # (MPI: mpirun)
 
 
 class MLXBackend(AbstractBackend):
@@ -31,16 +30,15 @@ class MLXBackend(AbstractBackend):
         cls = type(self).__name__
         if not self.mlx_name:
             raise TypeError(f"{cls} is abstract: use RingBackend, MLXMPIBackend, NCCLBackend or JACCLBackend")
-        if self.mlx_name == "mpi":
-            available, launched = contract.mlx_mpi_available(), contract.launched_by_mpirun()
+        if self.mlx_name == "mpi":  # (MLX looks for its MPI library once: where it is, first)
+            available = contract.mlx_mpi_available()
         else:
             available = mx.distributed.is_available(self.mlx_name)
-            launched = _LAUNCHED_BY.get(self.mlx_name) in os.environ
         if not available:
             raise BackendUnavailableError(
                 f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' backend; {self.requires}"
             )
-        if launched:
+        if contract.launched_by_mlx(self.mlx_name):
             self.prepare()
             self.group = mx.distributed.init(strict=True, backend=self.mlx_name)
         else:  # a world of one needs no transport (and MPI_Init may already have run)

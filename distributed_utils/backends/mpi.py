@@ -58,36 +58,32 @@ class MPIBackend(AbstractBackend):
         return self._traced
 
     def allreduce(self, arrays, op, scale=1.0, in_place=False):
-        traced = self._while_tracing(arrays)
-        if traced is not None:
+        if traced := self._while_tracing(arrays):
             return traced.allreduce(arrays, op, scale)
-        work, views = _buffers(arrays, in_place)
-        self._reduce_in_place(views, op, scale)
-        return [_like(w, a) for w, a in zip(work, arrays)]
+        return self._reduced(arrays, arrays, op, scale, in_place)
 
     def start_sum(self, arrays, scale=1.0, in_place=False):
         # Summed now, on this thread: on a thread of their own, Open MPI's sums beside MLX's computation
         # made a step 1.7-3.8x slower on this 2-core machine (benchmarks/overlap.py).
-        traced = self._while_tracing(arrays)
-        if traced is not None:
+        if traced := self._while_tracing(arrays):
             return traced.start_sum(arrays, scale)
         given = arrays
         if not in_place:  # scaled by MLX into memory of its own: MLX may still read the arrays' memory (a
             arrays, scale = [widened(a) * scale for a in arrays], 1.0  # view of it) for what it computes next
             mx.eval(arrays)
-        work, views = _buffers(arrays, True)
-        self._reduce_in_place(views, "sum", scale)
-        out = [_like(w, a) for w, a in zip(work, given)]
+        out = self._reduced(arrays, given, "sum", scale, True)
         return lambda: out
 
-    def _reduce_in_place(self, views, op, scale):
-        """The MPI calls of an all-reduce of ``views`` (numpy, or None: nothing to send) in their own memory."""
+    def _reduced(self, arrays, like, op, scale, in_place) -> list:
+        """``arrays`` all-reduced in ``_buffers``, a piece at a time; the results as ``like``'s kinds."""
+        work, views = _buffers(arrays, in_place)
         for flat in [view.reshape(-1) for view in views if view is not None]:
             for start in range(0, flat.size, PIECE_BYTES // flat.itemsize):
                 piece = flat[start : start + PIECE_BYTES // flat.itemsize]
                 if scale != 1.0:  # before its sum, as on MLX's backends, while in the cache
                     np.multiply(piece, scale, out=piece, casting="unsafe")
                 self.comm.Allreduce(self._MPI.IN_PLACE, piece, op=self._ops[op])
+        return [_like(w, a) for w, a in zip(work, like)]
 
     def bcast(self, x, root):
         if traced := self._while_tracing([x]):
@@ -125,9 +121,9 @@ class MPIBackend(AbstractBackend):
 def _buffers(arrays, in_place):
     """What an all-reduce of ``arrays`` reduces in (``work``, as returned) and the numpy views of it that MPI
     writes (None: nothing to send); ``in_place``: the arrays are handed over."""
-    # Decide (and copy) everything before overwriting anything: arrays may share memory.
     # Only the copying depends on this rank; the MPI calls depend on dtypes and sizes alone.
-    work, views, taken = [], [], [] if len(arrays) > 1 else None
+    in_place = in_place and len(arrays) == 1  # (several arrays may share memory: each reduced in a copy)
+    work, views = [], []
     for a in arrays:
         if isinstance(a, np.ndarray):  # (host_buffers) reduced in a, handed over, or in a C-ordered copy
             wide = np.float32 if a.dtype == np.float16 else a.dtype
@@ -136,7 +132,7 @@ def _buffers(arrays, in_place):
             view = w
         else:
             w = widened(a)  # (no MPI type: reduced in float32, rounded once)
-            view = _unshared(own_memory(w), taken) if (in_place or w is not a) and w.size else None
+            view = own_memory(w) if (in_place or w is not a) and w.size else None
             if view is None and w.size and w.nbytes <= SMALL_BYTES:  # a small copy: numpy's (_received)
                 w = np.array(w, order="C")  # (evaluated, of a dtype numpy has: not narrow)
                 view = w
@@ -168,18 +164,6 @@ def _like(result, a):
     """``result`` (numpy or mx) as ``a``'s kind and dtype."""
     result = to_mx(result) if isinstance(a, mx.array) else result
     return result if result.dtype == a.dtype else result.astype(a.dtype)
-
-
-def _unshared(view, taken):
-    """``view`` if its memory overlaps no span in ``taken`` (it joins them; None: a lone array), else None."""
-    if view is None or taken is None:
-        return view
-    start = view.__array_interface__["data"][0]
-    end = start + view.nbytes
-    if any(s < end and start < e for s, e in taken):
-        return None
-    taken.append((start, end))
-    return view
 
 
 def _bytes(buf: np.ndarray) -> np.ndarray:

@@ -702,8 +702,9 @@ class WithNothing(Block):
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_one_all_gather_per_unit_call_and_a_parameter_of_no_elements(backend, reshard):
-    """#40: a unit's parameters travel in one all-gather (was one per parameter); #38: a 0-element
-    parameter (at 3 MPI ranks the gather of one came back on numpy's memory, and MLX hung reducing it)."""
+    """#40: a unit's parameters travel in one all-gather (was one per parameter), their gradients in one
+    reduce-scatter (#39: was one per parameter); #38: a 0-element parameter (at 3 MPI ranks the gather of
+    one came back on numpy's memory, and MLX hung reducing it)."""
     mx.random.seed(0)
     block = WithNothing(5)
     du.synchronize(backend, block)
@@ -717,8 +718,14 @@ def test_one_all_gather_per_unit_call_and_a_parameter_of_no_elements(backend, re
         mx.eval(out)
     assert calls == ["allgather"], calls
     assert_close({"out": out}, {"out": expected}, atol=1e-6)
-    sharded_loss, sharded_grads = step(block)
+    with counted(backend) as calls:
+        sharded_loss, sharded_grads = step(block)
+        mx.eval(sharded_grads)
+    assert calls == ["allgather"] * (1 + reshard) + ["reduce_scatter"] * (backend.size > 1), calls
     assert sharded_grads["nothing"].shape == (0,) and mx.allclose(sharded_loss, loss).item()
+    for key, g in tree_flatten(grads):  # (each parameter's shard of the average of the whole gradients)
+        mine = fsdp.shard_of(du.allreduce(backend, g, "avg"), backend.size, backend.rank)
+        assert mx.allclose(tree_flatten(sharded_grads, destination={})[key], mine, atol=1e-6).item(), key
 
 
 def test_clip_grad_norm_of_gradients_whose_squares_overflow_float32(backend):
