@@ -5,7 +5,8 @@ the veth between them shaped with tc's token bucket filter. Needs root, iproute2
         [--plot docs/images/links]   (a picture of the loss against time for each backend and rate)
 
 1. The gradient reduction (``du.reduce_gradients``, 2 ranks, one per host) against the link's own
-   limit, bytes x 2(N-1)/N / rate, as a ratio (1.0 is the wire's speed), float32 and bfloat16.
+   limit, bytes x 2(N-1)/N / rate, as a ratio (1.0 is the wire's speed), float32 and bfloat16; and
+   a fully sharded unit's reduce-scatter of the same float32 gradients, against bytes x (N-1)/N / rate.
 2. Training at an equal wall-clock budget (``--budget`` seconds at 100 Mbit/s, half of it at
    1 Gbit/s): a byte-level Llama from examples/llama_tinystories.py (4 layers, 128 dims, MLP
    256: 0.72M parameters, 2.9 MB) on generated stories, AdamW 1e-3, batch 4 x 32 tokens per rank:
@@ -43,6 +44,7 @@ CONFIGS = {  # name: DiLoCo's arguments (None: synchronous)
     "diloco H=30 sparse": dict(sync_every=30, compression="sparse"),
     "local (no sync)": dict(sync_every=10**9),  # the bytes every run sends besides its syncs
 }
+REDUCTIONS = {"float32": [], "bfloat16": ["--compression", "bfloat16"], "reduce-scatter": ["--scatter"]}
 CHECK_EVERY = 10  # steps between two budget checks (a collective: it would end a delayed sync's overlap)
 
 
@@ -63,14 +65,19 @@ def reduce_worker(args):
 
     import distributed_utils as du
 
+    from distributed_utils.reduction import Reduction
+
     backend = du.initialize()
-    grads = {f"w{i}": mx.random.normal((args.bytes // 16,)) for i in range(4)}
+    grads = {f"w{i}": mx.random.normal((args.bytes // 32 * 2,)) for i in range(4)}  # (even lengths)
     mx.eval(grads)
     times = []
     for _ in range(args.reps + 1):
         du.barrier(backend)
         start = time.perf_counter()
-        mx.eval(du.reduce_gradients(backend, grads, compression=args.compression))
+        if args.scatter:  # a fully sharded unit's gradients: each rank its half of the sum
+            mx.eval(Reduction(backend).reduce(grads, scatter=True).wait())
+        else:
+            mx.eval(du.reduce_gradients(backend, grads, compression=args.compression))
         times.append(time.perf_counter() - start)
     slowest = du.allreduce(backend, statistics.median(times[1:]), "max")
     if du.local_rank(backend) == 0:
@@ -159,6 +166,7 @@ def main():
         w.add_argument("--bytes", type=int)
         w.add_argument("--reps", type=int)
         w.add_argument("--compression")
+        w.add_argument("--scatter", action="store_true")
         w.add_argument("--config")
         w.add_argument("--budget", type=float)
         wargs = w.parse_args(args.worker)
@@ -167,24 +175,24 @@ def main():
     from hosts import made_hosts
 
     with made_hosts() as hosts:
-        print("| backend | link | MB | float32: s | ratio to the link's limit | bfloat16: s | ratio |")
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        print(
+            "| backend | link | MB | float32: s | ratio to the link's limit | bfloat16: s | ratio "
+            "| reduce-scatter: s | ratio |"
+        )
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for backend in args.backends:
             for rate in args.rates:
                 bits = float(rate[:-4]) * (1e9 if rate.endswith("gbit") else 1e6)
                 nbytes = int(min(113e6, bits / 8 * 2))  # about 2 s of the link, at most 113 MB
                 hosts.shape(rate)
                 row = []
-                for compression in ("float32", "bfloat16"):
-                    wire = nbytes * (1.0 if compression == "float32" else 0.5) * 2 * (2 - 1) / 2  # N = 2
+                for mode in REDUCTIONS:
+                    # bytes x 2(N-1)/N for an all-reduce, (N-1)/N for a reduce-scatter (N = 2)
+                    wire = {"float32": nbytes, "bfloat16": nbytes / 2, "reduce-scatter": nbytes / 2}[mode]
                     limit = wire / (bits / 8)
                     worker = ["reduce", "--bytes", str(nbytes), "--reps", str(args.reps)]
-                    got = run(
-                        hosts,
-                        backend,
-                        worker + (["--compression", "bfloat16"] if compression != "float32" else []),
-                        600,
-                    )
+                    worker += REDUCTIONS[mode]  # (the worker's flags)
+                    got = run(hosts, backend, worker, 600)
                     row += [f"{got['seconds']:.3f}", f"{got['seconds'] / limit:.2f}"]
                 print(f"| {backend} | {rate} | {nbytes / 1e6:.0f} | " + " | ".join(row) + " |", flush=True)
         hosts.shape(None)

@@ -245,9 +245,6 @@ def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
     return recomputed(shards, [x for x in inputs if is_floating(x.dtype)])
 
 
-# --- what the rest of the library asks of fully sharded models ----------------------------------
-
-
 def _detached(a):
     """``a`` (or a list) evaluated and copied out of its graph: inside ``mx.value_and_grad`` an evaluated
     array keeps its inputs (whole parameters, activations) till the end. While MLX traces: ``a``."""
@@ -262,11 +259,9 @@ def sharded(model, who=None) -> dict:
     """``{flat key: (whole shape, backend)}`` of ``model``'s shards; with no model, for ``who`` (the caller,
     given an optimizer) a ValueError while any module is fully sharded: the optimizer may hold shards."""
     if model is None and who is not None and any_alive():
-        gc.collect()  # (one that is garbage, in a reference cycle not yet collected, does not count)
-        if any_alive():
-            raise ValueError(
-                f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"
-            )
+        raise ValueError(
+            f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"
+        )
     out = {}
     if isinstance(model, nn.Module):
         for path, m in model.named_modules():
@@ -278,6 +273,8 @@ def sharded(model, who=None) -> dict:
 
 
 def any_alive() -> bool:
+    if any(ref() is not None for ref in _units):
+        gc.collect()  # (a module that is garbage, in a reference cycle not yet collected, does not count)
     _units[:] = [ref for ref in _units if ref() is not None]
     return bool(_units)
 

@@ -95,7 +95,7 @@ class DistributedOptimizer(Plain, optim.Optimizer):
             self._take_fully_sharded(model)
         elif self.sharded and has_entries(state):  # (the shapes of the whole state's entries)
             entries = tree_flatten({k: v for k, v in state.items() if k not in scalars(state)})
-            self._layout = {k.rpartition(".")[0]: (a.shape, self.backend) for k, a in entries}
+            self._layout = {k: (a.shape, self.backend) for k, a in entries}  # (at the entries' keys)
             state = fsdp.shard_tree(state, self._layout)
         self.state = state
 

@@ -52,9 +52,6 @@ def reduce_gradients(
 
 #: An all-reduce's tree travels in at least this many buckets (of at least MIN_BUCKET_BYTES each).
 OVERLAP_BUCKETS, MIN_BUCKET_BYTES = 4, 2**20
-#: A reduce-scatter's bucket without a native one (MLX's ring of send/recv) holds this much a rank: larger
-#: made a fully sharded step on MLX's MPI 15% slower at 100 Mbit/s (benchmarks/overlap.py).
-SCATTER_PART_BYTES = 2**16
 
 
 class Reduction:
@@ -114,7 +111,7 @@ class Reduction:
     def _transport(self, sent, scale, scatter):
         """Collective: the sums of ``sent`` times ``scale`` started in buckets (the last leaves' first, each
         started once computed), and the function that waits. ``scatter``: this rank's part of each."""
-        groups = buckets(sent, self._bucket_limit(sent, scatter))
+        groups = buckets(sent, self._bucket_limit(sent))
         if scatter:
             rows = self.backend.size
             parts = [reduce_scatter_sum(self.backend, pack(sent, g, rows), scale) for g in groups]
@@ -144,18 +141,14 @@ class Reduction:
             check_weights(weights.tolist(), what)
         return weight * inverse(weights.sum())
 
-    def _bucket_limit(self, arrays, scatter) -> int:
+    def _bucket_limit(self, arrays) -> int:
         """The bytes a bucket holds at most: ``bucket_bytes``, else a ``1 / OVERLAP_BUCKETS`` of the tree (so
         that all but the last bucket travel while the backward pass computes), at least ``MIN_BUCKET_BYTES``
-        and at most the backend's ``bucket_bytes`` (MPI's 64 KiB; MLX's 32 MiB: each collective costs) and,
-        for a reduce-scatter that is no transport's own, ``SCATTER_PART_BYTES`` a rank."""
+        and at most the backend's ``bucket_bytes`` (MPI's 64 KiB; MLX's 32 MiB: each collective costs)."""
         if self.bucket_bytes is not None:
             return self.bucket_bytes
         share = sum(a.nbytes for a in arrays) // OVERLAP_BUCKETS
-        limit = min(self.backend.bucket_bytes, max(MIN_BUCKET_BYTES, share))
-        if scatter and not self.backend.native_reduce_scatter:
-            return min(limit, self.backend.size * SCATTER_PART_BYTES)
-        return limit
+        return min(self.backend.bucket_bytes, max(MIN_BUCKET_BYTES, share))
 
     def _units(self, arrays, share):
         """Per array, the worth of one unit on the wire: 1, or int8's (from one allgather)."""

@@ -54,19 +54,18 @@ def test_every_rank_runs_and_prefixes_its_output(backend, n):
         assert f"[rank {r}] {name} rank {r} of {n} total {n * (n + 1) // 2}" in run.stdout, run.stdout
 
 
-DEFAULTS = (
-    "import os; print('got', os.environ.get('GLIBC_TUNABLES'), os.environ.get('OMPI_MCA_btl_tcp_links'))"
-)
+OPEN_MPI = ("OMPI_MCA_btl_tcp_links", "OMPI_MCA_coll_tuned_reduce_scatter_block_algorithm")
+DEFAULTS = f"import os; print('got', *(os.environ.get(k) for k in ('GLIBC_TUNABLES', *{OPEN_MPI})))"
 
 
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 def test_the_ranks_get_du_launchs_defaults_unless_the_user_set_them(backend):
-    tcp_links = "2" if backend == "mpi" else "None"  # (Open MPI's: for mpi and mlx-mpi only)
+    open_mpi = "2 4" if backend == "mpi" else "None None"  # (Open MPI's: for mpi and mlx-mpi only)
     run = launch(2, backend, ["python", "-c", DEFAULTS], timeout=120)
-    assert run.stdout.count(f"] got glibc.malloc.hugetlb=1 {tcp_links}\n") == 2, run.stdout
-    mine = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "OMPI_MCA_btl_tcp_links": "3"}
+    assert run.stdout.count(f"] got glibc.malloc.hugetlb=1 {open_mpi}\n") == 2, run.stdout
+    mine = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", OPEN_MPI[0]: "3", OPEN_MPI[1]: "2"}
     run = launch(2, backend, ["python", "-c", DEFAULTS], timeout=120, env=mine)
-    assert run.stdout.count("] got glibc.malloc.arena_max=2 3\n") == 2, run.stdout
+    assert run.stdout.count("] got glibc.malloc.arena_max=2 3 2\n") == 2, run.stdout
 
 
 @pytest.mark.parametrize("backend", START_PATHS)

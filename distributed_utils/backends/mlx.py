@@ -7,6 +7,7 @@ Broadcast is an integer all_sum of root's bits (exact for NaN payloads and -0.0)
 multiplies."""
 
 import contextlib
+import functools
 import os
 
 import mlx.core as mx
@@ -24,7 +25,6 @@ class MLXBackend(AbstractBackend):
     mlx_name = ""  # the name mx.distributed.init takes
     requires = ""  # what the transport needs, for the error when it is missing
     device = mx.cpu  # where collectives wait (NCCL's run on the GPU)
-    _comm = None  # the group's communication stream, made at its first use
 
     def __init__(self):
         cls = type(self).__name__
@@ -52,11 +52,10 @@ class MLXBackend(AbstractBackend):
         # Scaled first at no cost: all_sum copies an input it cannot overwrite; the scaling is that copy
         return [self._reduce(a, op, scale) for a in arrays]
 
+    @functools.cached_property
     def stream(self):
         """The group's communication stream (collectives started one after another travel in that order)."""
-        if self._comm is None:
-            self._comm = mx.new_stream(self.device or mx.default_device())
-        return self._comm
+        return mx.new_stream(self.device or mx.default_device())
 
     def _reduce(self, a, op, scale):
         a = a * scale if scale != 1.0 else a  # a Python float keeps a's dtype
@@ -64,7 +63,7 @@ class MLXBackend(AbstractBackend):
             return a
         if op == "prod":
             return mx.prod(self.allgather(a[None]), axis=0).astype(a.dtype)
-        return _REDUCE[op](a, group=self.group, stream=self.stream())
+        return _REDUCE[op](a, group=self.group, stream=self.stream)
 
     def start_sum(self, arrays, scale=1.0, in_place=False):
         out = [self._reduce(a, "sum", scale) for a in arrays]
@@ -79,39 +78,43 @@ class MLXBackend(AbstractBackend):
 
     def reduce_scatter(self, x, scale=1.0):
         # NCCL's and JACCL's own sum_scatter (MLX's ring and MPI have none); else the ring algorithm's
-        # N - 1 steps over send/recv: half an all-reduce's bytes. Each step is evaluated, odd ranks
-        # receiving first, so that no two ranks wait on each other; while MLX traces, the all-reduce's part.
+        # N - 1 steps over send/recv: half an all-reduce's bytes. While MLX traces, the all-reduce's part.
         x = x * scale if scale != 1.0 else x  # (before the sum, as allreduce: no sum overflows)
         if self.mlx_name in ("nccl", "jaccl"):
-            return mx.distributed.sum_scatter(x, group=self.group, stream=self.stream())
+            return mx.distributed.sum_scatter(x, group=self.group, stream=self.stream)
         if self.size == 1 or not evaluate(x):
             return super().reduce_scatter(x)
         n, r, c = self.size, self.rank, x.shape[0] // self.size
-
-        def part(k):  # (the k-th of the N parts, k taken modulo N)
-            return x[k % n * c : (k % n + 1) * c]
-
-        total = part(r - 1)
+        parts = [x[j * c : (j + 1) * c] for j in range(n)]
+        total, ring = parts[(r - 1) % n], self.mlx_name == "ring"
+        receiving = self._receiving if ring else self.stream  # (MPI: one thread calls it)
         for step in range(n - 1):  # send the running sum of part r - step - 1 right, add part r - step - 2
-            sent = mx.distributed.send(total, (r + 1) % n, group=self.group, stream=self.stream())
-            got = mx.distributed.recv_like(total, (r - 1) % n, group=self.group, stream=self.stream())
-            for first in (got, sent) if r % 2 else (sent, got):
-                mx.eval(first)
-            total = got + part(r - step - 2)
+            sent = mx.distributed.send(total, (r + 1) % n, group=self.group, stream=self.stream)
+            got = mx.distributed.recv_like(total, (r - 1) % n, group=self.group, stream=receiving)
+            if ring:  # at once, on two streams (its sockets to the right and from the left are its own)
+                mx.eval(sent, got)
+            else:  # one after the other, odd ranks receiving first: no two ranks wait on each other
+                for first in (got, sent) if r % 2 else (sent, got):
+                    mx.eval(first)
+            total = got + parts[(r - step - 2) % n]
         return total
+
+    @functools.cached_property
+    def _receiving(self):  # (the ring reduce-scatter's receives, beside its sends on ``stream``)
+        return mx.new_stream(self.device or mx.default_device())
 
     def bcast(self, x, root):
         bits = x.view(UINT_BY_SIZE[x.dtype.size])
         mine = bits if self.rank == root else mx.zeros_like(bits)
-        return mx.distributed.all_sum(mine, group=self.group, stream=self.stream()).view(x.dtype)
+        return mx.distributed.all_sum(mine, group=self.group, stream=self.stream).view(x.dtype)
 
     def allgather(self, x):
         if x.size == 0:
             return mx.zeros((x.shape[0] * self.size,) + x.shape[1:], x.dtype)
-        return mx.distributed.all_gather(x, group=self.group, stream=self.stream())
+        return mx.distributed.all_gather(x, group=self.group, stream=self.stream)
 
     def barrier(self):
-        mx.eval(mx.distributed.all_sum(mx.zeros((1,), mx.int32), group=self.group, stream=self.stream()))
+        mx.eval(mx.distributed.all_sum(mx.zeros((1,), mx.int32), group=self.group, stream=self.stream))
 
     def split(self, color):
         try:

@@ -441,9 +441,9 @@ def test_hybrid_sharding_shards_within_a_group_and_averages_across(backend):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
 def test_the_reduce_scatter_of_every_backend_is_its_part_of_the_sum(backend, dtype):
     """Exact on integers: rank r's part of the all-reduce, scaled (MPI's Reduce_scatter; MLX's ring
-    and MPI: a ring of send/recv; NCCL and JACCL: sum_scatter)."""
+    and MPI: a ring of send/recv; NCCL and JACCL: sum_scatter), of 0 to 40001 elements a rank."""
     mx.random.seed(backend.rank)
-    for n in (backend.size, 1000 * backend.size):
+    for n in (0, backend.size, 1000 * backend.size, 40001 * backend.size):
         x = mx.random.randint(-32, 32, (n,)).astype(dtype)  # (every partial sum exact in bfloat16)
         c = n // backend.size
         whole = du.allreduce(backend, x, "sum")
