@@ -259,9 +259,11 @@ def sharded(model, who=None) -> dict:
     """``{flat key: (whole shape, backend)}`` of ``model``'s shards; with no model, for ``who`` (the caller,
     given an optimizer) a ValueError while any module is fully sharded: the optimizer may hold shards."""
     if model is None and who is not None and any_alive():
-        raise ValueError(
-            f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"
-        )
+        gc.collect()  # (one that is garbage, in a reference cycle not yet collected, does not count)
+        if any_alive():
+            raise ValueError(
+                f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"
+            )
     out = {}
     if isinstance(model, nn.Module):
         for path, m in model.named_modules():
@@ -273,8 +275,6 @@ def sharded(model, who=None) -> dict:
 
 
 def any_alive() -> bool:
-    if any(ref() is not None for ref in _units):
-        gc.collect()  # (a module that is garbage, in a reference cycle not yet collected, does not count)
     _units[:] = [ref for ref in _units if ref() is not None]
     return bool(_units)
 
