@@ -175,8 +175,6 @@ def run_collective(backend, what, arrays, primitive, *details, start=False):
     tracing = not evaluate(arrays)
     with watchdog.Collective(backend, what, details, arrays) as call:
         if call is not None and call.debug and backend.size > 1 and not tracing:  # (its gathers: nested)
-            if _in_flight:  # (the check's collectives run on this thread: none beside a start_sum)
-                _in_flight[-1].wait()
             differ = "ranks issued different collectives (DU_DEBUG)"
             check_same(backend, differ, {"collective": call.text()}, CollectiveMismatchError)
         try:
