@@ -76,8 +76,7 @@ class Collective:
     def __enter__(self):
         if _state.depth:
             return None
-        if _state.timeout is None:
-            configure()
+        configure()
         _state.depth, _state.rank, self.timeout, self.debug = 1, self.rank, _state.timeout, _state.debug
         # (not kept: a backend a traceback kept till exit outlived MLX's MPI: exit 1 in half the runs)
         backend, self.backend = self.backend, None
