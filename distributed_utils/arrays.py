@@ -9,7 +9,6 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
 
-#: The mx dtypes by name.
 MX_DTYPES = {dtype_name(d): d for d in vars(mx).values() if isinstance(d, mx.Dtype)}
 
 #: The numpy dtypes a collective accepts (numpy has no bfloat16) -> the mx dtype of the same name.
