@@ -73,7 +73,6 @@ def columns(matrix, widths) -> list:
 
 
 def describe(tree) -> list:
-    """``[(key, signature)]`` of ``tree``'s leaves: ``(dtype, shape)`` for arrays, else the type name."""
     return [(key, signature(leaf)) for key, leaf in tree_flatten(tree)]
 
 
