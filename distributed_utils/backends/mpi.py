@@ -70,7 +70,6 @@ class MPIBackend(AbstractBackend):
         given = arrays
         if not in_place:  # scaled by MLX into memory of its own: MLX may still read the arrays' memory (a
             arrays, scale = [widened(a) * scale for a in arrays], 1.0  # view of it) for what it computes next
-            mx.eval(arrays)
         out = self._reduced(arrays, given, "sum", scale, True)
         return lambda: out
 
