@@ -90,7 +90,6 @@ def _comparable(value) -> str:
 
 
 def of(optimizer) -> OptimizerState:
-    """``optimizer``'s state protocol: the optimizer itself, or a plain one's ``Plain``."""
     return optimizer if isinstance(optimizer, OptimizerState) else Plain(optimizer)
 
 
