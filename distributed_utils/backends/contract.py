@@ -88,7 +88,6 @@ def record(event: str, **fields):
 
 
 def say_record(event: str, **fields):
-    """Write ``record(event, ...)`` to stderr, when du-launch started this process."""
     line = record(event, **fields)
     if line is not None:
         print(line, file=sys.stderr, flush=True)
