@@ -83,7 +83,6 @@ def _travels_as_bits(leaf) -> bool:
 
 
 def _stand_in(leaf):
-    """What root sends for ``leaf``: ``_Array`` for an array, else the leaf."""
     if isinstance(leaf, (Module, Optimizer)):
         raise TypeError(f"a tree holds a {type(leaf).__name__}: synchronize it on its own")
     return _Array if _travels_as_bits(leaf) else leaf
