@@ -173,7 +173,6 @@ def _finished(region):
 
 
 def stepped():
-    """Count one optimizer step of this rank, for its account."""
     _state.steps += 1
 
 
