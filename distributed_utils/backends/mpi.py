@@ -160,7 +160,6 @@ def _received(shape, dtype, mx_dtype, receive) -> mx.array:
 
 
 def _like(result, a):
-    """``result`` (numpy or mx) as ``a``'s kind and dtype."""
     result = to_mx(result) if isinstance(a, mx.array) else result
     return result if result.dtype == a.dtype else result.astype(a.dtype)
 
