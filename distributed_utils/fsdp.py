@@ -245,6 +245,9 @@ def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
     return recomputed(shards, [x for x in inputs if is_floating(x.dtype)])
 
 
+# --- what the rest of the library asks of fully sharded models ----------------------------------
+
+
 def _detached(a):
     """``a`` (or a list) evaluated and copied out of its graph: inside ``mx.value_and_grad`` an evaluated
     array keeps its inputs (whole parameters, activations) till the end. While MLX traces: ``a``."""

@@ -84,6 +84,11 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         self.state = tree_unflatten(list(merged.items()))
 
     def whole_state(self) -> dict:
+        if self._fully_sharded is None and not self.sharded and self.initialized() and fsdp.any_alive():
+            raise ValueError(
+                "DistributedOptimizer.whole_state(): before its first update it cannot tell a fully sharded "
+                "model's shards in its state (update first, or save_checkpoint(model=, optimizer=))"
+            )
         return fsdp.whole_tree(*self.held_state())
 
     def held_state(self) -> tuple:
