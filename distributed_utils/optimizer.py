@@ -72,8 +72,8 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         """The wrapped optimizer's ``init`` (of this rank's shards when sharded); local."""
         self.optimizer.init(self._my_shards(tree_flatten(parameters)) if self.sharded else parameters)
 
-    def _my_shards(self, flat):  # (flat: [(key, parameter)])
-        self._layout = {k: (a.shape, self.backend) for k, a in flat}
+    def _my_shards(self, flat):  # (flat: [(key, parameter)]; a parameter frozen since keeps its entry)
+        self._layout.update({k: (a.shape, self.backend) for k, a in flat})
         return tree_unflatten([(k, fsdp.shard_of(a, self.backend.size, self.backend.rank)) for k, a in flat])
 
     def shared_state(self) -> dict:  # (the entries of shards: each rank its own)

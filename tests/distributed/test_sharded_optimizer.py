@@ -193,13 +193,20 @@ def test_optimizers_that_are_not_elementwise_are_refused_with_the_reason(backend
 
 
 def test_a_gradient_tree_that_changes_after_sharding_steps_like_the_replicated_optimizer(backend):
-    """Each parameter's state is its own shard: a layer frozen later keeps its state, unused."""
-    steps = reference_and_mine(backend, batch=2, steps=2)[1]
-    runs = []
+    """Each parameter's state is its own shard: a layer frozen later keeps its state, unused, whole in
+    ``whole_state()`` and each rank's own through ``du.synchronize`` (found by an adversarial run: a
+    step without the layer's gradient forgot which entries were shards)."""
+    steps = reference_and_mine(backend, batch=2, steps=3)[1]
+    runs, states = [], []
     for opt in (sharded(backend, optim.Adam(0.1)), du.DistributedOptimizer(backend, optim.Adam(0.1))):
         model = train(mlp(), opt, steps[:1])
         model.layers[0].freeze()
-        runs.append(train(model, opt, steps[1:]))
+        train(model, opt, steps[1:2])
+        states.append(dict(tree_flatten(opt.whole_state())))  # (as it is now: the step goes on)
+        du.synchronize(backend, opt)
+        model.unfreeze()
+        runs.append(train(model, opt, steps[2:]))
+    assert_same_state(*states)
     assert_bit_identical(*runs)
 
 
