@@ -112,7 +112,8 @@ def _padded(flat, size: int):
 def gather(backend, shards: list, shapes: list, unit=None) -> list:
     """Collective, one all-gather: the whole arrays of ``shapes`` from every rank's 1-d ``shards`` (any
     dtypes: their bytes travel packed). ``unit``: the ``_Unit`` they are of, whose tag travels with them:
-    ValueError on every rank unless every rank gathers the same unit's same call (not while MLX traces)."""
+    ValueError on every rank unless every rank gathers the same unit's same call (while MLX traces, the
+    floating arrays gathered are NaN instead)."""
     if not shards:
         return []
     tag = []
@@ -125,6 +126,8 @@ def gather(backend, shards: list, shapes: list, unit=None) -> list:
     if unit is not None and evaluate(rows):
         unit.calls += 1
         _check_tags(to_numpy(rows[:, -16:]).view(np.int64), backend.fully_sharded_units)
+    elif unit is not None:  # (traced: no error can be raised while the graph runs; every byte 0xff is NaN)
+        rows = mx.where((rows[:, -16:] == rows[0, -16:]).all(), rows, mx.array(255, mx.uint8))
     wholes, widths = [], [s.nbytes for s in shards] + [t.nbytes for t in tag]
     for part, s, shape in zip(columns(rows, widths), shards, shapes):
         wholes.append(part.reshape(-1).view(s.dtype)[: math.prod(shape)].reshape(shape))
@@ -288,8 +291,8 @@ def whole_tree(tree, shards: dict):
 
 
 def shard_tree(tree, shards: dict):
-    """``whole_tree``'s inverse, on this rank: this rank's shard of each whole array at a key of ``shards``."""
-    return _at_shards(tree, shards, lambda a, _, backend: own_shard(a, backend))
+    """``whole_tree``'s inverse, on this rank: its shard of each whole array at a key of ``shards`` (or shard)."""
+    return _at_shards(tree, shards, lambda a, whole, b: own_shard(a, b) if a.shape == whole else a)
 
 
 def own_shard(a, backend):

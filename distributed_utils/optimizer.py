@@ -95,14 +95,13 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         return self.state, self._layout
 
     def load_whole_state(self, state: dict, model=None):
-        """Set from whole_state()'s form (a fully sharded ``model``'s entries: this rank's shards, delivered)."""
+        """Set from whole_state()'s form, each rank keeping its shards (a checkpoint's come as shards)."""
         if model is not None and fsdp.sharded(model):
             self._take_fully_sharded(model)
         elif self.sharded and has_entries(state):  # (the shapes of the whole state's entries)
             entries = tree_flatten({k: v for k, v in state.items() if k not in scalars(state)})
             self._layout = {k: (a.shape, self.backend) for k, a in entries}  # (at the entries' keys)
-            state = fsdp.shard_tree(state, self._layout)
-        self.state = state
+        self.state = fsdp.shard_tree(state, self._layout)
 
     def update(self, model, gradients, weight=None):
         """Reduce ``gradients`` across ranks, then the wrapped optimizer updates ``model``.
@@ -141,6 +140,8 @@ class DistributedOptimizer(Plain, optim.Optimizer):
             fsdp.check_mlx_sharding(self.backend, target, "DistributedOptimizer")
             mine = dict(optimizer=rule_settings(self.optimizer), accumulate_steps=self.accumulate_steps)
             settings = {**mine, "shard_optimizer_state": self.sharded, **self.reduction.settings()}
+            held = "shards (rank in each du.fully_shard backend: give the optimizer one across the ranks of a shard)"
+            settings[held] = sorted({b.rank for _, b in self._fully_sharded.values() if b != self.backend})
             replicated = {k: p for k, p in tree_flatten(parameters) if k not in shards}
             check_start(self.backend, "DistributedOptimizer", replicated, settings)
             self._checked = True

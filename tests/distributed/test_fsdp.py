@@ -170,6 +170,11 @@ def test_like_the_replicated_optimizer_bit_for_bit_at_two_ranks(backend):
     expected_state, state = dict(tree_flatten(replicated_opt.state)), dict(tree_flatten(opt.whole_state()))
     assert state.keys() == expected_state.keys()
     assert all(state[k].shape == a.shape for k, a in expected_state.items())
+    # which loads back as this rank's shards (found by an adversarial test: the whole entries were kept)
+    again = du.DistributedOptimizer(backend, optim.AdamW(1e-2))
+    again.load_whole_state(opt.whole_state(), model=model)
+    held, loaded = dict(tree_flatten(opt.state)), dict(tree_flatten(again.state))
+    assert loaded.keys() == held.keys() and all(mx.array_equal(loaded[k], a).item() for k, a in held.items())
     if backend.size > 2:
         assert_close(state, expected_state, atol=1e-6)
         return assert_close(whole(backend, model), expected, atol=1e-6)
@@ -434,6 +439,9 @@ def test_hybrid_sharding_shards_within_a_group_and_averages_across(backend):
     _, grads = nn.value_and_grad(model, loss_fn)(model, *mine[0])
     with pytest.raises(ValueError, match="element-by-element"):  # (the shards of another group's units)
         du.DistributedOptimizer(across, optim.Adafactor()).update(model, grads)
+    # over the whole job (found by an adversarial test: it told to synchronize the parameters, in vain)
+    with pytest.raises(ValueError, match="give the optimizer one across the ranks of a shard"):
+        du.DistributedOptimizer(backend, optim.Adam(1e-2)).update(model, grads)
     one = train(net(), optim.Adam(1e-2), every)
     assert_close(whole(backend, model), dict(tree_flatten(one.parameters())))
 
@@ -675,6 +683,32 @@ def test_ranks_that_call_different_fully_sharded_units_fail_on_every_rank_naming
     )
     assert "the ranks gather different fully sharded units" in str(raised.value), raised.value
     assert units and int(units[2]) == int(units[1]) + 1, raised.value  # (rank 1 is in the next block)
+
+
+class ReversedOnRank1(Net):
+    """Rank 1 calls its blocks in the reverse order: as many gathers as the others, of other blocks."""
+
+    def __call__(self, x):
+        h = self.embed(x)
+        for block in self.blocks[:: -1 if self._rank == 1 else 1]:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+@pytest.mark.world(min_size=2)
+def test_ranks_that_call_different_units_in_a_compiled_step_get_nan_on_every_rank(backend):
+    """Found by an adversarial test: while MLX traces no error can be raised, and the shards mixed silently
+    (a plausible loss). Now every gathered value is NaN on every rank; uncompiled, the error names the units."""
+    mx.random.seed(0)
+    model = ReversedOnRank1()
+    model._rank = backend.rank
+    mx.eval(model.parameters())
+    opt = du.DistributedOptimizer(backend, optim.SGD(0.1))
+    loss = compiled_step(sharded(backend, model), opt)(*batches(backend, steps=1)[1][0])
+    mx.eval(loss, model.state, opt.state)
+    assert mx.isnan(loss).item()
+    with pytest.raises(ValueError, match="the ranks gather different fully sharded units"):
+        model(mx.ones((2, 3)))
 
 
 @pytest.mark.world(min_size=2, backend=(du.MPIBackend, du.MLXMPIBackend))  # (MLX's ring cannot split)
