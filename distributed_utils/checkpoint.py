@@ -244,7 +244,7 @@ def _shards(backend, model, optimizer, who) -> dict:
     """Collective: ``fsdp.sharded(model)``, the backend checked and the model free of MLX's sharded layers."""
     check_backend(backend)
     fsdp.check_mlx_sharding(backend, model, who, replicated_ok=False)
-    return fsdp.sharded(model, None if optimizer is None else who)
+    return fsdp.sharded(model, None if optimizer is None or of(optimizer).knows_its_shards() else who)
 
 
 def _wholes(keys, layouts: dict) -> dict:

@@ -84,7 +84,7 @@ class DistributedOptimizer(Plain, optim.Optimizer):
         self.state = tree_unflatten(list(merged.items()))
 
     def whole_state(self) -> dict:
-        if self._fully_sharded is None and not self.sharded and self.initialized() and fsdp.any_alive():
+        if not self.knows_its_shards() and self.initialized() and fsdp.any_alive():
             raise ValueError(
                 "DistributedOptimizer.whole_state(): before its first update it cannot tell a fully sharded "
                 "model's shards in its state (update first, or save_checkpoint(model=, optimizer=))"
@@ -93,6 +93,9 @@ class DistributedOptimizer(Plain, optim.Optimizer):
 
     def held_state(self) -> tuple:
         return self.state, self._layout
+
+    def knows_its_shards(self) -> bool:  # (ZeRO-1's never are a fully sharded model's)
+        return self._fully_sharded is not None or self.sharded
 
     def load_whole_state(self, state: dict, model=None):
         """Set from whole_state()'s form, each rank keeping its shards (a checkpoint's come as shards)."""

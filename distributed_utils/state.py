@@ -41,6 +41,11 @@ class OptimizerState:
         """Set the state from ``whole_state()``'s form (``model``: for wrappers that set parameters)."""
         self.state = state
 
+    def knows_its_shards(self) -> bool:
+        """Whether ``held_state()``'s layout names every shard held (else, while a module is fully sharded,
+        ``synchronize`` and checkpoints need its model to tell them)."""
+        return False
+
 
 def forwarded(name: str, to: str) -> property:
     """A wrapper's property read from and written to its wrapped optimizer's (attribute ``to``) ``name``:

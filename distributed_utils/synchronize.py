@@ -34,8 +34,9 @@ def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
         if model is not None and not state.initialized():
             x.init(model.trainable_parameters())
         hint = "call opt.init(model.trainable_parameters()) first, or pass model=model"
+        shards = fsdp.sharded(model, None if state.knows_its_shards() else what)
         try:
-            shared = _synchronize_tree(backend, state.shared_state(), root, what, fsdp.sharded(model, what))
+            shared = _synchronize_tree(backend, state.shared_state(), root, what, shards)
         except TreeMismatchError as e:
             raise TreeMismatchError(f"{e}; an optimizer not yet updated: {hint}") from None
         if not state.initialized():  # the same on every rank: their states have the same structure

@@ -473,7 +473,7 @@ def test_accumulation_and_a_schedule_train_like_one_process(backend):
     assert_close(whole(backend, model), dict(tree_flatten(one.parameters())))
 
 
-def test_synchronize_keeps_each_ranks_shards_and_sends_roots_replicated_parameters(backend):
+def test_synchronize_keeps_each_ranks_shards_and_sends_roots_replicated_parameters(backend, tmp_path):
     model = net(seed=backend.rank)  # other values on every rank
     for block in model.blocks:  # (the root stays replicated: embed, norm and head)
         du.fully_shard(backend, block)
@@ -492,6 +492,13 @@ def test_synchronize_keeps_each_ranks_shards_and_sends_roots_replicated_paramete
         expected = shards[key] if key in shards else root[key]
         assert mx.array_equal(a, expected).item(), key
     assert opt.state["step"].item() == 0
+    opt.update(model, nn.value_and_grad(model, loss_fn)(model, *batches(backend, steps=1)[1][0])[1])
+    held, path = dict(tree_flatten(opt.state)), du.bcast(backend, str(tmp_path / "ck.safetensors"))
+    # updated, it knows its shards: no model= needed (found by an adversarial test: "pass model=")
+    du.synchronize(backend, opt)
+    du.save_checkpoint(backend, path, optimizer=opt)
+    du.load_checkpoint(backend, path, optimizer=opt)
+    assert all(mx.array_equal(a, held[k]).item() for k, a in tree_flatten(opt.state))
 
 
 @pytest.mark.world(min_size=4, backend=(du.MPIBackend, du.MLXMPIBackend))  # (MLX's ring cannot split)
