@@ -193,7 +193,6 @@ class _Writer:
                 self.file.close()
 
     def _do(self, *steps):
-        """``steps`` in turn, unless an error came before; the first error kept."""
         if self.error is None:
             try:
                 for step in steps:
