@@ -27,7 +27,6 @@ def widened(a):
 
 
 def is_floating(dtype) -> bool:
-    """Whether ``dtype`` (mx or numpy) is a floating or complex type."""
     return dtype.kind in "fc" if isinstance(dtype, np.dtype) else mx.issubdtype(dtype, mx.inexact)
 
 
