@@ -26,7 +26,6 @@ def floating_leaves(tree, what: str) -> list:
 
 
 def replace_arrays(tree, arrays):
-    """``tree`` with its mx.array leaves, in flattening order, replaced by ``arrays``."""
     it = iter(arrays)
     return tree_map(lambda v: next(it) if isinstance(v, mx.array) else v, tree)
 
