@@ -334,7 +334,6 @@ def _header_crc(metadata: dict, specs: dict) -> str:
 
 
 def _write_pieces(f, data, sync: bool):
-    """``data`` written at ``f``'s position (``sync``: then flushed and fsynced)."""
     f.write(memoryview(data).cast("B"))
     if sync:
         f.flush()
