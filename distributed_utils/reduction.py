@@ -198,7 +198,6 @@ def as_weight(weight) -> mx.array:
 
 
 def _scaled(x, s, dtype):
-    """``(x * s).astype(dtype)`` (``dtype`` "int8": rounded to the nearest) in one fused pass."""
     return _fused(dtype)(x, s if isinstance(s, mx.array) else mx.array(s, mx.float32))
 
 
