@@ -184,7 +184,6 @@ def check_weights(weights: list, what: str):
 
 
 def inverse(total_weight: mx.array) -> mx.array:
-    """1 / ``total_weight``, and 0 for 0 (every weight 0: zeros)."""
     return mx.where(total_weight > 0, 1 / total_weight, 0.0)
 
 
