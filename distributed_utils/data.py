@@ -302,7 +302,6 @@ def _map_fields(fields, fn):
 
 
 def _take(field, idx):
-    """Rows ``idx`` of one array or sequence, stacked; arrays are read with one fancy index."""
     if isinstance(field, np.ndarray):
         return mx.array(field[idx])
     if isinstance(field, mx.array):
