@@ -288,7 +288,6 @@ def _columns_and_length(data, where):
 
 
 def _len(x, where):
-    """``len(x)``, or None if ``x`` has no length or indexing; a TypeError for a 0-d array."""
     if not (hasattr(x, "__len__") and hasattr(x, "__getitem__")):
         return None
     try:
