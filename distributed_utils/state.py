@@ -107,7 +107,6 @@ def has_entries(state: dict) -> bool:
 
 
 def at_key(tree, key: str):
-    """The value at ``key`` ("layers.0.weight") of a nested dict/list tree."""
     for part in key.split("."):
         tree = tree[int(part)] if isinstance(tree, list) else tree[part]
     return tree
