@@ -163,7 +163,6 @@ def job_id():
 
 
 def launched_by_mpirun() -> bool:
-    """Whether mpirun started this process in a job of more than one process."""
     return int(_first_set("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1)) > 1
 
 
