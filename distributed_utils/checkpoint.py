@@ -385,7 +385,6 @@ def _newest_intact(backend, path: Path):
 
 
 def _candidates(path: Path):
-    """``(whether path is a folder, what to try in turn)``: the file (if there), a folder's newest first."""
     if path.is_dir():
         return True, list(reversed(_checkpoints_in(path)))
     return False, [path] if path.exists() else []
