@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import fsdp, watchdog
 from .arrays import MX_DTYPES, bits, dtype_name, show, signature, to_mx
-from .collectives import allgather, barrier, check_backend, check_count, root_runs
+from .collectives import allgather, barrier, check_backend, check_count, run_on_root
 from .state import of
 from .tree import describe
 
@@ -99,9 +99,7 @@ def _write(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then
     specs = {k: (a.dtype, wholes[k][0] if k in wholes else a.shape) for k, a in arrays.items()}
     counts = {k: wholes[k][1].size if k in wholes else 1 for k in arrays}  # (the pieces of each array)
     specs, metadata, room, offsets = _layout(specs, meta_json, counts)  # (the metadata, so offsets: rank 0's)
-    tmp, token, offsets = root_runs(
-        backend, lambda: (*_started(path, stale), offsets), 0, CheckpointError, f"write {path}"
-    )
+    tmp, token, offsets = _on_rank_0(backend, lambda: (*_started(path, stale), offsets), f"write {path}")
     one_group = bool(wholes) and backend.size > 1 and all(b is backend for _, b in wholes.values())
     shared = one_group and _seen_everywhere(backend, tmp, token)  # (hybrid sharding: rank 0 writes all)
     writer = _Writer(tmp if shared or backend.rank == 0 else None)
@@ -117,13 +115,18 @@ def _write(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then
             raise CheckpointError("; ".join(errors))
         written = {k: (dtype_name(dtype), shape) for k, (dtype, shape) in specs.items()}
         _read_back(backend, tmp, written, crcs, offsets)  # (as a load reads it)
-        root_runs(backend, partial(_finished, tmp, path, room, header), 0, CheckpointError, f"write {path}")
+        _on_rank_0(backend, partial(_finished, tmp, path, room, header), f"write {path}")
     except CheckpointError:
         if backend.rank == 0:
             tmp.unlink(missing_ok=True)
         raise
     if then:  # (path is in place: a failure now is not one of writing it)
-        root_runs(backend, then, 0, CheckpointError, f"finish the save after writing {path} (it is in place)")
+        _on_rank_0(backend, then, f"finish the save after writing {path} (it is in place)")
+
+
+def _on_rank_0(backend, fn, doing: str):
+    """Collective: ``fn()`` on rank 0 alone, its result on every rank (its error: CheckpointError on every rank)."""
+    return run_on_root(backend, fn, 0, CheckpointError, doing)
 
 
 def _seen_everywhere(backend, tmp: Path, token: bytes) -> bool:
@@ -358,11 +361,11 @@ def _set_aside(paths: list, why: str, note=""):
 def _newest_intact(backend, path: Path):
     """Collective: ``(path, _header_of(path))`` of the checkpoint at ``path`` (a ``keep`` directory: its newest
     intact one by every byte, newer damaged ones set aside); ``(path, None)``: there is none."""
-    folder, candidates = root_runs(backend, lambda: _candidates(path), 0, CheckpointError, f"read {path}")
+    folder, candidates = _on_rank_0(backend, lambda: _candidates(path), f"read {path}")
     damaged = {}
     for candidate in candidates:
         try:  # (the header, then a folder's every byte; a file's are checked as the load delivers them)
-            header = root_runs(backend, partial(_header_of, candidate), 0, CheckpointError, f"read {path}")
+            header = _on_rank_0(backend, partial(_header_of, candidate), f"read {path}")
             if folder:
                 _read_back(backend, candidate, *header[1:])
         except CheckpointError as e:
@@ -374,7 +377,7 @@ def _newest_intact(backend, path: Path):
             note = f" (loading {candidate}, older): {'; '.join(damaged.values())}"
             set_aside = partial(_set_aside, list(damaged), "damaged", note)
             try:
-                root_runs(backend, set_aside, 0, CheckpointError, f"set aside damaged checkpoints in {path}")
+                _on_rank_0(backend, set_aside, f"set aside damaged checkpoints in {path}")
             except CheckpointError as e:  # (a read-only folder: they stay; the older one still loads)
                 if backend.rank == 0:
                     warnings.warn(f"{e}{note}")
@@ -423,7 +426,7 @@ def _read_back(backend, path: Path, saved: dict, want: dict, offsets: dict, deli
 
     with open(path, "rb") if backend.rank == 0 else contextlib.nullcontext() as f:
         for step in _steps(specs, {key: len(pieces) for key, pieces in crcs.items()}):
-            got = root_runs(backend, partial(read, f, step), 0, CheckpointError, f"read {path}")
+            got = _on_rank_0(backend, partial(read, f, step), f"read {path}")
             for (key, _, _, start, _), data in zip(step, got or []):
                 receive(key, start, data)
     return out

@@ -31,7 +31,7 @@ def bcast(backend, x, root: int = 0):
     rank), or any picklable object, sent whole from root."""
     check_root(backend, root)
     if not isinstance(x, (mx.array, np.ndarray)):
-        return _objects(backend, x, root)[0]
+        return _exchange_objects(backend, x, root)[0]
     arr, back = _as_array(x)
     out = run_collective(backend, "bcast", to_mx(arr), lambda a: backend.bcast(a, root), f"root={root}")
     return back(out)
@@ -96,7 +96,7 @@ def allgather(backend, x):
     array); anything else, the list of every rank's ``x``."""
     check_backend(backend)
     if not isinstance(x, (mx.array, np.ndarray)):
-        return _objects(backend, x)
+        return _exchange_objects(backend, x)
     arr, back = _as_array(x)
     return back(run_collective(backend, "allgather", mx.atleast_1d(to_mx(arr)), backend.allgather))
 
@@ -196,7 +196,7 @@ def run_collective(backend, what, arrays, primitive, *details, start=False):
     return out
 
 
-def _objects(backend, obj, root=None) -> list:
+def _exchange_objects(backend, obj, root=None) -> list:
     """``[root's obj]`` on every rank (``root`` None: every rank's); TypeError if one cannot (un)pickle."""
     senders = range(backend.size) if root is None else [root]
     send = (lambda a: allgather(backend, a)) if root is None else (lambda a: bcast(backend, a, root))
@@ -222,7 +222,7 @@ def _objects(backend, obj, root=None) -> list:
         error = error or next((e for _, e in received if e is not None), None)
         failed = allgather(backend, np.array([error is not None]))
         if failed.any():  # (errors are strings: they pickle)
-            errors = _objects(backend, error)
+            errors = _exchange_objects(backend, error)
             whose = "the objects ranks gather" if root is None else f"the object rank {root} broadcasts"
             raise TypeError(f"{whose}: " + "; ".join(f"rank {r} {errors[r]}" for r in np.flatnonzero(failed)))
         return [r for r, _ in received]
@@ -241,7 +241,7 @@ def _unpickled(payload: np.ndarray):
         return None, f"cannot unpickle it: {type(e).__name__}: {e}"
 
 
-def root_runs(backend, fn, root, error_type, doing: str):
+def run_on_root(backend, fn, root, error_type, doing: str):
     """Collective: ``fn()`` run on ``root`` alone, its (picklable) result returned on every
     rank; if it raises, every rank raises ``error_type`` naming root and what it was ``doing``."""
     result, error, cause = None, None, None
@@ -250,7 +250,7 @@ def root_runs(backend, fn, root, error_type, doing: str):
             result = fn()
         except Exception as e:  # the other ranks must hear of it rather than wait
             error, cause = f"{type(e).__name__}: {e}", e
-    result, error = _objects(backend, (result, error), root)[0]
+    result, error = _exchange_objects(backend, (result, error), root)[0]
     if error is not None:
         raise error_type(f"rank {root} could not {doing}: {error}") from cause  # (root's traceback, on root)
     return result
@@ -262,7 +262,7 @@ def check_same(backend, who: str, values: dict, error=ValueError, explain=None):
     digest = np.frombuffer(hashlib.sha256(repr(values).encode()).digest(), np.uint8)
     if (allgather(backend, digest).reshape(backend.size, -1) == digest).all():
         return
-    everyone = _objects(backend, values)
+    everyone = _exchange_objects(backend, values)
     if explain is not None:
         raise error(explain(who, everyone))
     name = next(name for name in values if len({repr(theirs[name]) for theirs in everyone}) > 1)

@@ -112,8 +112,7 @@ def _padded(flat, size: int):
 def gather(backend, shards: list, shapes: list, unit=None) -> list:
     """Collective, one all-gather: the whole arrays of ``shapes`` from every rank's 1-d ``shards`` (any
     dtypes: their bytes travel packed). ``unit``: the ``_Unit`` they are of, whose tag travels with them:
-    ValueError on every rank unless every rank gathers the same unit's same call (while MLX traces, the
-    floating arrays gathered are NaN instead)."""
+    ValueError on every rank unless every rank gathers the same unit's same call (traced: NaN values)."""
     if not shards:
         return []
     tag = []

@@ -12,10 +12,10 @@ from . import fsdp, watchdog
 from .arrays import bits, evaluate, widened
 from .collectives import check_backend, check_count, check_same
 from .reduction import Reduction, as_weight, inverse
-from .state import Plain, check_plain, forwarded, has_entries, rule_settings, scalars
+from .state import PlainOptimizerState, check_plain, forwarded, has_entries, rule_settings, scalars
 
 
-class DistributedOptimizer(Plain, optim.Optimizer):
+class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
     """Wraps ``optimizer`` so that every update first reduces the gradients across all ranks
     (``reduce_gradients``). A drop-in: ``update``, ``apply_gradients``, ``init``, ``state`` (the
     wrapped one's, which ``mx.compile(..., inputs=state)`` sees) and every other attribute

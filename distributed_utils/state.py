@@ -1,6 +1,6 @@
 """What an optimizer's state is, whoever holds it: the protocol that ``synchronize`` and
 checkpoints use. The library's optimizers (``DistributedOptimizer``, ``DiLoCo``) implement
-``OptimizerState``; ``of(optimizer)`` meets a plain ``mlx.optimizers`` optimizer with ``Plain``.
+``OptimizerState``; ``of(optimizer)`` meets a plain ``mlx.optimizers`` optimizer with ``PlainOptimizerState``.
 
 A state is a tree of **scalars** (``step``, ``learning_rate``: the entries that are not dicts or
 lists) and **per-parameter entries**, each at its parameter's key: ``at_key(state,
@@ -55,7 +55,7 @@ def forwarded(name: str, to: str) -> property:
     )
 
 
-class Plain(OptimizerState):
+class PlainOptimizerState(OptimizerState):
     """A plain ``mlx.optimizers.Optimizer``'s state (``.optimizer``), the same whole state on every rank."""
 
     def __init__(self, optimizer):
@@ -68,7 +68,7 @@ class Plain(OptimizerState):
 
     def initialized(self) -> bool:
         if isinstance(self.optimizer, MultiOptimizer):
-            return all(Plain(o).initialized() for o in self.optimizer.optimizers)
+            return all(PlainOptimizerState(o).initialized() for o in self.optimizer.optimizers)
         return has_entries(self.optimizer.state)
 
 
@@ -95,7 +95,7 @@ def _comparable(value) -> str:
 
 
 def of(optimizer) -> OptimizerState:
-    return optimizer if isinstance(optimizer, OptimizerState) else Plain(optimizer)
+    return optimizer if isinstance(optimizer, OptimizerState) else PlainOptimizerState(optimizer)
 
 
 def scalars(state: dict) -> dict:

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import fsdp
 from .arrays import bits
-from .collectives import bcast, check_root, root_runs
+from .collectives import bcast, check_root, run_on_root
 from .state import of
 from .tree import TreeMismatchError, buckets, describe, pack, unpack, verify_same_structure
 
@@ -65,7 +65,7 @@ def _synchronize_tree(backend, tree, root, what, shards=None):
         return tree_unflatten(list(_synchronize_tree(backend, dict(shared), root, what).items()) + own)
     # Only the arrays must agree: each rank receives into buffers the size of its own arrays.
     verify_same_structure(backend, [(k, s) for k, s in describe(tree) if isinstance(s, tuple)], what)
-    skeleton = root_runs(backend, lambda: _map(_stand_in, tree), root, TypeError, f"send {what}")
+    skeleton = run_on_root(backend, lambda: _map(_stand_in, tree), root, TypeError, f"send {what}")
     arrays = [leaf for _, leaf in tree_flatten(tree) if _travels_as_bits(leaf)]
     sent = [bits(a) if backend.rank == root else mx.zeros_like(bits(a)) for a in arrays]  # (a not evaluated)
     groups = buckets(sent, BROADCAST_BUCKET_BYTES)  # (bcast evaluates: one bucket at a time)
