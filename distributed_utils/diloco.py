@@ -79,6 +79,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         self._weights = None  # per fragment: this rank's weight since its last sync (None: unweighted)
         self._local = {}  # {flat key: this rank's latest local parameters}
         self._feedback = {}  # {flat key: this rank's error feedback (float32; none yet: zeros)}, with a codec
+        self._checked = False  # the ranks' settings and parameters, at the first update (after a load too)
 
     @property
     def state(self) -> dict:
@@ -99,6 +100,9 @@ class DiLoCo(OptimizerState, optim.Optimizer):
     step = property(lambda self: mx.array(self._steps, mx.int64))
 
     learning_rate = forwarded("learning_rate", to="inner_optimizer")
+
+    def rule_name(self) -> str:  # (a checkpoint of DiLoCo over other optimizers loads into none)
+        return f"DiLoCo({type(self.inner_optimizer).__name__}, {type(self.outer_optimizer).__name__})"
 
     def initialized(self) -> bool:
         return self._global is not None
@@ -153,7 +157,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
 
     def apply_gradients(self, gradients, parameters, weight=None):
         """The updated ``parameters`` at the keys of ``gradients``: ``update``'s steps."""
-        if self._global is None:
+        if not self._checked:  # the ranks start alike: at the first update, or a resumed job's first
             fsdp.check_mlx_sharding(self.backend, parameters, "DiLoCo")
             if fsdp.any_alive():  # (its parameters are reduced in the backward pass, each step)
                 raise ValueError("DiLoCo does not compose with du.fully_shard: use DistributedOptimizer")
@@ -168,8 +172,16 @@ class DiLoCo(OptimizerState, optim.Optimizer):
                     codec=self.codec,
                     **self.reduction.settings(),
                 )
-                check_start(self.backend, "DiLoCo", parameters, settings)
+                check_start(self.backend, "DiLoCo", self._global or parameters, settings)  # (resumed: global)
+            self._checked = True
+        if self._global is None:
             self.init(tree_map(lambda _, p: p, gradients, parameters))
+        changed = {k for k, g in tree_flatten(gradients) if isinstance(g, mx.array)} ^ set(self._global)
+        if changed:  # (its fragments, global parameters and outer state are of the first update's)
+            raise ValueError(
+                f"DiLoCo: {sorted(changed)} gained or lost their gradients since its first update: freeze or "
+                "unfreeze parameters before it"
+            )
         if self._steps == 0 and weight is not None:
             self._weights = [mx.array(0.0)] * self.fragments
         if (weight is None) != (self._weights is None):

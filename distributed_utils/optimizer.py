@@ -92,6 +92,11 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
         return fsdp.whole_tree(*self.held_state())
 
     def held_state(self) -> tuple:
+        if self._calls:  # (each rank's sum of the cycle's gradients so far is in no state)
+            raise ValueError(
+                f"DistributedOptimizer: at call {self._calls} of an accumulation cycle of {self.accumulate_steps}"
+                " its state would lose the gradients summed so far: save it after the cycle's last call"
+            )
         return self.state, self._layout
 
     def knows_its_shards(self) -> bool:  # (ZeRO-1's never are a fully sharded model's)

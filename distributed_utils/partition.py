@@ -120,4 +120,5 @@ def _share(m, world_size, rank, batch_size, drop_last, exactly_once) -> np.ndarr
         total = batch_count(m, world_size, batch_size, False) * batch_size
         return np.concatenate([np.arange(start, stop), np.full(total - (stop - start), m)])
     count = batch_count(m, world_size, batch_size, True) * batch_size if drop_last else -(-m // world_size)
-    return start + np.arange(count)
+    positions = start + np.arange(count)
+    return np.where(positions < stop, positions, positions + m)  # (a repeat of the next shard's: past m too)

@@ -110,6 +110,22 @@ def test_length_grouped_parts_resumed_or_re_split_visit_every_item_once(n, seed,
         assert len(rest) == len(set(rest))
 
 
+@given(n=st.integers(1, 200), world=st.integers(1, 5), batch=st.integers(1, 6), seed=st.integers(0, 9))
+def test_length_grouped_batches_visit_every_item_once_before_any_twice(n, world, batch, seed):
+    """Found by an adversarial test: a rank whose shard is one item short took the next shard's first item
+    as its repeat, not marked as one, so the length grouping moved it forward when it was long."""
+    lengths = np.random.default_rng(seed).integers(1, 50, n).__getitem__
+    orders = [
+        epoch_indices(n, world, r, batch, shuffle=True, seed=seed, lengths=lengths) for r in range(world)
+    ]
+    seen = set()
+    for s in range(0, len(orders[0]), batch):
+        step = np.concatenate([order[s : s + batch] for order in orders]).tolist()
+        if len(seen | set(step)) < len(seen) + len(step):  # a repeat: only once every item is visited
+            assert len(seen | set(step)) == n, (s, step, seen)
+        seen |= set(step)
+
+
 def visit(n, world, rank, sizes, seed, done, lengths, exactly_once):
     how = dict(shuffle=True, seed=seed, done=done, lengths=lengths)
     if exactly_once:

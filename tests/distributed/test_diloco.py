@@ -431,6 +431,28 @@ def test_ranks_with_other_settings_fail_on_every_rank_at_the_first_update(backen
         train(backend, opt, 1)
 
 
+def test_a_resumed_run_is_checked_as_a_fresh_one_is(backend, tmp_path):
+    """Found by an adversarial test: a resumed DiLoCo skipped the first update's check (a rank resumed with
+    other settings paired its syncs with the others', silently), loaded the state of DiLoCo over other
+    optimizers (AdamW's second moments as SGD's momentum), and a parameter frozen after the first update
+    failed at the next sync with a bare KeyError."""
+    path = du.bcast(backend, str(tmp_path / "diloco.safetensors"))
+    opt = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=4)
+    model, _ = train(backend, opt, 2)
+    du.save_checkpoint(backend, path, model=model, optimizer=opt, step=2)
+    other = du.DiLoCo(backend, optim.SGD(0.1, momentum=0.9), sync_every=4)
+    with pytest.raises(du.CheckpointError, match=r"a DiLoCo\(AdamW, SGD\), not of a DiLoCo\(SGD, SGD\)"):
+        du.load_checkpoint(backend, path, model=model, optimizer=other)
+    if backend.size > 1:
+        other = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=4 + (du.local_rank(backend) == 1))
+        du.load_checkpoint(backend, path, model=model, optimizer=other)
+        with pytest.raises(ValueError, match="DiLoCo: every rank needs the same sync_every"):
+            train(backend, other, 3, model=model, start=2)
+    model.layers[0].freeze()
+    with pytest.raises(ValueError, match=r"\['layers.0.bias', 'layers.0.weight'\] gained or lost their"):
+        train(backend, opt, 3, model=model, start=2)
+
+
 def test_a_schedule_can_set_the_learning_rate(backend):
     """DiLoCo.learning_rate is the inner optimizer's, read and written (schedules assign it)."""
     opt = du.DiLoCo(backend, optim.AdamW(1e-2), sync_every=4)
