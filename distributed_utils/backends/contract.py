@@ -192,19 +192,20 @@ def libmpi_path():
     return next((str(d / name) for d in dirs if (d / name).exists()), None)
 
 
-def mlx_mpi_available() -> bool:
-    """Whether MLX can load an MPI library. Points MLX_MPI_LIBNAME at the real libmpi first:
-    MLX looks once, at the first question, and the wheel's ``libmpi.so`` is a linker script."""
-    if "MLX_MPI_LIBNAME" not in os.environ and libmpi_path() is not None:
+def mlx_available(mlx_name: str) -> bool:
+    """Whether MLX has the backend ``mlx_name``. For "mpi" (whether MLX can load an MPI library), it points
+    MLX_MPI_LIBNAME at the real libmpi first: MLX looks once, at the first question, and the wheel's
+    ``libmpi.so`` is a linker script."""
+    if mlx_name == "mpi" and "MLX_MPI_LIBNAME" not in os.environ and libmpi_path() is not None:
         os.environ["MLX_MPI_LIBNAME"] = libmpi_path()
-    return mx.distributed.is_available("mpi")
+    return mx.distributed.is_available(mlx_name)
 
 
 @functools.cache  # (once: a call that raises is not cached)
 def start_mlx_mpi():
     """Initialize MLX's MPI backend once under ``mpirun``, before mpi4py (after mpi4py's MPI_Init, MLX's is
     silently a world of one); BackendUnavailableError if mpi4py was first. Its callers check first that MLX
-    can load an MPI library (``mlx_mpi_available``)."""
+    can load an MPI library (``mlx_available("mpi")``)."""
     if not launched_by_mpirun():
         return
     mpi = sys.modules.get("mpi4py.MPI")

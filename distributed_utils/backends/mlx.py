@@ -30,11 +30,7 @@ class MLXBackend(AbstractBackend):
         cls = type(self).__name__
         if not self.mlx_name:
             raise TypeError(f"{cls} is abstract: use RingBackend, MLXMPIBackend, NCCLBackend or JACCLBackend")
-        if self.mlx_name == "mpi":  # (MLX looks for its MPI library once: where it is, first)
-            available = contract.mlx_mpi_available()
-        else:
-            available = mx.distributed.is_available(self.mlx_name)
-        if not available:
+        if not contract.mlx_available(self.mlx_name):
             raise BackendUnavailableError(
                 f"{cls}: this build of MLX ({mx.__version__}) has no '{self.mlx_name}' backend; {self.requires}"
             )

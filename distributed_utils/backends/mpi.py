@@ -26,7 +26,7 @@ class MPIBackend(AbstractBackend):
     host_buffers = True
 
     def __init__(self, comm=None):
-        if contract.mlx_mpi_available():  # first, so that MLXMPIBackend can still start here afterwards
+        if contract.mlx_available("mpi"):  # first, so that MLXMPIBackend can still start here afterwards
             with contextlib.suppress(BackendUnavailableError):  # (MPIBackend does not need it)
                 contract.start_mlx_mpi()
         from mpi4py import MPI
