@@ -53,6 +53,8 @@ class MLXBackend(AbstractBackend):
         """The group's communication stream (collectives started one after another travel in that order)."""
         return mx.new_stream(self.device or mx.default_device())
 
+    _receiving = functools.cached_property(stream.func)  # (a second: the ring reduce-scatter's receives)
+
     def _reduce(self, a, op, scale):
         a = a * scale if scale != 1.0 else a  # a Python float keeps a's dtype
         if a.size == 0:
@@ -94,10 +96,6 @@ class MLXBackend(AbstractBackend):
                     mx.eval(first)
             total = got + parts[(r - step - 2) % n]
         return total
-
-    @functools.cached_property
-    def _receiving(self):  # (the ring reduce-scatter's receives, beside its sends on ``stream``)
-        return mx.new_stream(self.device or mx.default_device())
 
     def bcast(self, x, root):
         bits = x.view(UINT_BY_SIZE[x.dtype.size])
