@@ -155,7 +155,15 @@ def reduce_scatter(reduction, wholes: dict, *, what, weight=None) -> dict:
 def _call(module, forward, args, kwargs):
     """``forward(*args, **kwargs)`` with ``module``'s own parameters whole (see ``fully_shard``)."""
     unit, own = module._du_unit, dict(_own(module))
-    _check_held_shards(module, own)
+    for key, a in own.items():  # still this rank's shards? (load_weights(..., strict=False) puts whole ones)
+        shard = (-(-math.prod(unit.shapes[key]) // unit.backend.size),)
+        if a.shape != shard:
+            raise ValueError(
+                f"du.fully_shard({type(module).__name__}): '{key}' holds an array of shape {tuple(a.shape)}, "
+                f"not this rank's shard {shard} of {tuple(unit.shapes[key])}: whole weights were loaded after "
+                "du.fully_shard (model.load_weights, mlx-lm's load_adapters); load them before sharding, or "
+                "save and load with du.save_checkpoint / du.load_checkpoint"
+            )
     trainable = {k for k, _ in _own(module, nn.Module.trainable_parameter_filter)}
     keys = [k for k in own if k in trainable]  # gathered with a gradient: reduce-scattered
     frozen = [k for k in own if k not in trainable]
@@ -190,21 +198,6 @@ def _call(module, forward, args, kwargs):
     if not unit.recompute:  # (MLX's custom_function crashes on an empty list)
         return run(gathered(shards) if shards else [], args, kwargs)
     return _recomputed(run, whole, scattered, keys, shards, args, kwargs, what)
-
-
-def _check_held_shards(module, own: dict):
-    """ValueError unless each of ``module``'s own parameters is still this rank's shard (its whole shape:
-    whole weights were loaded into the sharded module, as ``load_weights(..., strict=False)`` does)."""
-    unit = module._du_unit
-    for key, a in own.items():
-        shard = (-(-math.prod(unit.shapes[key]) // unit.backend.size),)
-        if a.shape != shard:
-            raise ValueError(
-                f"du.fully_shard({type(module).__name__}): '{key}' holds an array of shape {tuple(a.shape)}, "
-                f"not this rank's shard {shard} of {tuple(unit.shapes[key])}: whole weights were loaded after "
-                "du.fully_shard (model.load_weights, mlx-lm's load_adapters); load them before sharding, or "
-                "save and load with du.save_checkpoint / du.load_checkpoint"
-            )
 
 
 def _recomputed(run, whole, scattered, keys, shards, args, kwargs, what):
