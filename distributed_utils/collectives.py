@@ -234,7 +234,6 @@ _OBJECT_TAG = 0x64755F6F626A  # "du_obj": announces an object's size, so that a 
 
 
 def _unpickled(payload: np.ndarray):
-    """``(object, None)``; ``(None, why)`` if it cannot be unpickled; ``(None, None)`` for no bytes."""
     try:
         return (pickle.loads(payload.tobytes()), None) if payload.size else (None, None)
     except Exception as e:
