@@ -253,14 +253,14 @@ def _detached(a):
     return to_mx(to_numpy(bits(a))).view(a.dtype).reshape(a.shape)
 
 
-def sharded(model, who=None) -> dict:
+def sharded(model, who=None, fix="pass model=") -> dict:
     """``{flat key: (whole shape, backend)}`` of ``model``'s shards; with no model, for ``who`` (the caller,
-    given an optimizer) a ValueError while any module is fully sharded: the optimizer may hold shards."""
+    given an optimizer) a ValueError saying ``fix`` while any module (not garbage) is fully sharded."""
     if model is None and who is not None and any_alive():
-        gc.collect()  # (one that is garbage, in a reference cycle not yet collected, does not count)
+        gc.collect()  # (a module kept by a reference cycle not yet collected)
         if any_alive():
             raise ValueError(
-                f"{who}: pass model=: the optimizer may hold the state of a fully sharded model's shards"
+                f"{who}: the optimizer may hold the state of a fully sharded model's shards ({fix})"
             )
     out = {}
     if isinstance(model, nn.Module):
@@ -273,8 +273,7 @@ def sharded(model, who=None) -> dict:
 
 
 def any_alive() -> bool:
-    _units[:] = [ref for ref in _units if ref() is not None]
-    return bool(_units)
+    return any(ref() is not None for ref in _units)
 
 
 def whole_tree(tree, shards: dict):

@@ -84,11 +84,9 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
         self.state = tree_unflatten(list(merged.items()))
 
     def whole_state(self) -> dict:
-        if not self.knows_its_shards() and self.initialized() and fsdp.any_alive():
-            raise ValueError(
-                "DistributedOptimizer.whole_state(): before its first update it cannot tell a fully sharded "
-                "model's shards in its state (update first, or save_checkpoint(model=, optimizer=))"
-            )
+        fix = "update first, or save_checkpoint(model=, optimizer=)"  # (it learns the shards at its first update)
+        if not self.knows_its_shards() and self.initialized():
+            fsdp.sharded(None, "DistributedOptimizer.whole_state()", fix)
         return fsdp.whole_tree(*self.held_state())
 
     def held_state(self) -> tuple:
@@ -170,10 +168,8 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
     def _take_fully_sharded(self, target):
         """``target``'s fully sharded parameters (a model's: ``fsdp.sharded``): the layout of their state;
         those of this backend's units are reduced in their backward pass, not here."""
-        if not isinstance(target, nn.Module) and fsdp.any_alive():
-            raise ValueError(
-                "DistributedOptimizer.apply_gradients cannot tell shards from the rest: use update"
-            )
+        if not isinstance(target, nn.Module):
+            fsdp.sharded(None, "DistributedOptimizer.apply_gradients", "use update(model, ...)")
         every = fsdp.sharded(target)
         if every:
             fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")

@@ -42,8 +42,7 @@ class OptimizerState:
         self.state = state
 
     def knows_its_shards(self) -> bool:
-        """Whether ``held_state()``'s layout names every shard held (else, while a module is fully sharded,
-        ``synchronize`` and checkpoints need its model to tell them)."""
+        """Whether ``held_state()``'s layout names every shard held (else the model must tell them)."""
         return False
 
 
