@@ -219,8 +219,8 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
         parameters = model.trainable_parameters() if meta.get("trainable_only") else model.parameters()
         _check_fits(path, "model", saved, fsdp.whole_shapes(parameters, shards))
     state = None if optimizer is None else of(optimizer)
+    # (the rule's name; DiLoCo's files of before 2026-11-29 name its class alone)
     if state is not None and meta["optimizer"] in (None, state.rule_name(), type(state).__name__):
-        # (DiLoCo's files of before 2026-11-29 name its class alone)
         # the entries both hold, when both have them (saved or loaded before the first update: any)
         both = meta.get("optimizer_initialized", True) and state.initialized()
         shared = fsdp.whole_shapes(state.shared_state(), shards) if both else None

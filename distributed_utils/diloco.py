@@ -101,7 +101,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
 
     learning_rate = forwarded("learning_rate", to="inner_optimizer")
 
-    def rule_name(self) -> str:  # (a checkpoint of DiLoCo over other optimizers loads into none)
+    def rule_name(self) -> str:  # (other optimizers' state is refused at load)
         return f"DiLoCo({type(self.inner_optimizer).__name__}, {type(self.outer_optimizer).__name__})"
 
     def initialized(self) -> bool:
@@ -159,8 +159,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         """The updated ``parameters`` at the keys of ``gradients``: ``update``'s steps."""
         if not self._checked:  # the ranks start alike: at the first update, or a resumed job's first
             fsdp.check_mlx_sharding(self.backend, parameters, "DiLoCo")
-            if fsdp.any_alive():  # (its parameters are reduced in the backward pass, each step)
-                raise ValueError("DiLoCo does not compose with du.fully_shard: use DistributedOptimizer")
+            fsdp.sharded(None, "DiLoCo does not compose with du.fully_shard", "use DistributedOptimizer")
             if self.backend.size > 1:
                 settings = dict(
                     sync_every=self.sync_every,
@@ -179,8 +178,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         changed = {k for k, g in tree_flatten(gradients) if isinstance(g, mx.array)} ^ set(self._global)
         if changed:  # (its fragments, global parameters and outer state are of the first update's)
             raise ValueError(
-                f"DiLoCo: {sorted(changed)} gained or lost their gradients since its first update: freeze or "
-                "unfreeze parameters before it"
+                f"DiLoCo: {sorted(changed)} gained or lost their gradients since it started (its first update, "
+                "init or load): freeze or unfreeze parameters before it"
             )
         if self._steps == 0 and weight is not None:
             self._weights = [mx.array(0.0)] * self.fragments

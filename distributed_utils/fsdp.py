@@ -125,8 +125,8 @@ def gather(backend, shards: list, shapes: list, unit=None) -> list:
     if unit is not None and evaluate(rows):
         unit.calls += 1
         _check_tags(to_numpy(rows[:, -16:]).view(np.int64), backend.fully_sharded_units)
-    elif unit is not None:  # (traced: no error can be raised as the graph runs: NaN, 0xff, starts each shard)
-        rows[:, :8] = mx.where((rows[:, -16:] == rows[0, -16:]).all(), rows[:, :8], mx.array(255, mx.uint8))
+    elif unit is not None:  # (traced: no error can be raised while the graph runs; every byte 0xff is NaN)
+        rows = mx.where((rows[:, -16:] == rows[0, -16:]).all(), rows, mx.array(255, mx.uint8))
     wholes, widths = [], [s.nbytes for s in shards] + [t.nbytes for t in tag]
     for part, s, shape in zip(columns(rows, widths), shards, shapes):
         wholes.append(part.reshape(-1).view(s.dtype)[: math.prod(shape)].reshape(shape))
@@ -254,9 +254,9 @@ def _detached(a):
 
 
 def sharded(model, who=None, fix="pass model=") -> dict:
-    """``{flat key: (whole shape, backend)}`` of ``model``'s shards; with no model, for ``who`` (the caller,
+    """``{flat key: (whole shape, backend)}`` of ``model``'s shards; with no module, for ``who`` (the caller,
     given an optimizer) a ValueError saying ``fix`` while any module (not garbage) is fully sharded."""
-    if model is None and who is not None and any_alive():
+    if not isinstance(model, nn.Module) and who is not None and any_alive():
         gc.collect()  # (a module kept by a reference cycle not yet collected)
         if any_alive():
             raise ValueError(

@@ -102,7 +102,8 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
 
     def load_whole_state(self, state: dict, model=None):
         """Set from whole_state()'s form, each rank keeping its shards (a checkpoint's come as shards)."""
-        if model is not None and fsdp.sharded(model):
+        self._sum, self._weight, self._calls = None, None, 0  # (a cycle begun before is not this state's)
+        if fsdp.sharded(model, None if self.knows_its_shards() else "DistributedOptimizer.load_whole_state"):
             self._take_fully_sharded(model)
         elif self.sharded and has_entries(state):  # (the shapes of the whole state's entries)
             entries = tree_flatten({k: v for k, v in state.items() if k not in scalars(state)})
@@ -147,7 +148,8 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
             mine = dict(optimizer=rule_settings(self.optimizer), accumulate_steps=self.accumulate_steps)
             settings = {**mine, "shard_optimizer_state": self.sharded, **self.reduction.settings()}
             held = "shards (rank in each du.fully_shard backend: give the optimizer one across the ranks of a shard)"
-            settings[held] = sorted({b.rank for _, b in self._fully_sharded.values() if b != self.backend})
+            others = dict.fromkeys(b for _, b in self._fully_sharded.values() if b is not self.backend)
+            settings[held] = [b.rank for b in others]  # (one per backend, in the model's order)
             replicated = {k: p for k, p in tree_flatten(parameters) if k not in shards}
             check_start(self.backend, "DistributedOptimizer", replicated, settings)
             self._checked = True
@@ -168,9 +170,7 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
     def _take_fully_sharded(self, target):
         """``target``'s fully sharded parameters (a model's: ``fsdp.sharded``): the layout of their state;
         those of this backend's units are reduced in their backward pass, not here."""
-        if not isinstance(target, nn.Module):
-            fsdp.sharded(None, "DistributedOptimizer.apply_gradients", "use update(model, ...)")
-        every = fsdp.sharded(target)
+        every = fsdp.sharded(target, "DistributedOptimizer.apply_gradients", "use update(model, ...)")
         if every:
             fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
             self._layout = every

@@ -496,6 +496,8 @@ def test_synchronize_keeps_each_ranks_shards_and_sends_roots_replicated_paramete
     held, path = dict(tree_flatten(opt.state)), du.bcast(backend, str(tmp_path / "ck.safetensors"))
     # updated, it knows its shards: no model= needed (found by an adversarial test: "pass model=")
     du.synchronize(backend, opt)
+    with pytest.raises(ValueError, match="pass model="):  # (a new one does not: found by review, kept whole)
+        du.DistributedOptimizer(backend, optim.Adam(1e-2)).load_whole_state(opt.whole_state())
     du.save_checkpoint(backend, path, optimizer=opt)
     du.load_checkpoint(backend, path, optimizer=opt)
     assert all(mx.array_equal(a, held[k]).item() for k, a in tree_flatten(opt.state))
