@@ -79,7 +79,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         self._weights = None  # per fragment: this rank's weight since its last sync (None: unweighted)
         self._local = {}  # {flat key: this rank's latest local parameters}
         self._feedback = {}  # {flat key: this rank's error feedback (float32; none yet: zeros)}, with a codec
-        self._checked = False  # the ranks' settings and parameters, at the first update (after a load too)
+        self._checked = False  # the ranks' settings and parameters, at the first update (a resumed job's too)
 
     @property
     def state(self) -> dict:
