@@ -125,7 +125,6 @@ def _write(backend, path: Path, arrays: dict, wholes: dict, meta_json: str, then
 
 
 def _on_rank_0(backend, fn, doing: str):
-    """Collective: ``fn()`` on rank 0 alone, its result on every rank (its error: CheckpointError on every rank)."""
     return run_on_root(backend, fn, 0, CheckpointError, doing)
 
 
@@ -244,7 +243,6 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
 
 
 def _shards(backend, model, optimizer, who) -> dict:
-    """Collective: ``fsdp.sharded(model)``, the backend checked and the model free of MLX's sharded layers."""
     check_backend(backend)
     fsdp.check_mlx_sharding(backend, model, who, replicated_ok=False)
     return fsdp.sharded(model, None if optimizer is None or of(optimizer).knows_its_shards() else who)
@@ -253,11 +251,8 @@ def _shards(backend, model, optimizer, who) -> dict:
 def _wholes(keys, layouts: dict) -> dict:
     """``{key: (whole shape, backend)}`` for the ``keys`` ("model.w": a section's) at the shards of their
     section's layout (``layouts[section]``, ``{parameter key: (whole shape, backend)}``)."""
-    out = {}
-    for section, shards in layouts.items():
-        inner = {key.partition(".")[2]: key for key in keys if key.startswith(section + ".")}
-        out.update({inner[k]: whole for k, whole in fsdp.layout_of(inner, shards).items()})
-    return out
+    prefixed = {f"{section}.{k}": whole for section, shards in layouts.items() for k, whole in shards.items()}
+    return fsdp.layout_of(keys, prefixed)
 
 
 def _flat(section, tree) -> dict:

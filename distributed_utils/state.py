@@ -10,13 +10,10 @@ from mlx.optimizers import MultiOptimizer, Optimizer
 
 
 class OptimizerState:
-    """What ``synchronize`` and checkpoints ask of an optimizer. Each subclass defines ``rule_name`` and
-    ``initialized`` (whether the state holds its per-parameter entries: after ``init`` or an update); the
-    others default to a state replicated in ``self.state``, the same on every rank."""
-
-    def rule_name(self) -> str:
-        """The update rule's class name, which a checkpoint records and checks at load."""
-        return type(self).__name__
+    """What ``synchronize`` and checkpoints ask of an optimizer. Each subclass defines ``rule_name`` (the
+    update rule's class name, which a checkpoint records and checks at load) and ``initialized`` (whether the
+    state holds its per-parameter entries: after ``init`` or an update); the others default to a state
+    replicated in ``self.state``, the same on every rank."""
 
     def shared_state(self) -> dict:
         """The part of the state that every rank holds alike (``synchronize`` sends root's)."""
