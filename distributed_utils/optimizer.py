@@ -5,7 +5,6 @@ import hashlib
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from . import fsdp, watchdog
@@ -147,9 +146,9 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
             fsdp.check_mlx_sharding(self.backend, target, "DistributedOptimizer")
             mine = dict(optimizer=rule_settings(self.optimizer), accumulate_steps=self.accumulate_steps)
             settings = {**mine, "shard_optimizer_state": self.sharded, **self.reduction.settings()}
-            held = "shards (rank in each du.fully_shard backend: give the optimizer one across the ranks of a shard)"
+            held = "shards ((rank, size) in each du.fully_shard backend: give the optimizer one across the ranks of a shard)"
             others = dict.fromkeys(b for _, b in self._fully_sharded.values() if b is not self.backend)
-            settings[held] = [b.rank for b in others]  # (one per backend, in the model's order)
+            settings[held] = [(b.rank, b.size) for b in others]  # (one per backend, in the model's order)
             replicated = {k: p for k, p in tree_flatten(parameters) if k not in shards}
             check_start(self.backend, "DistributedOptimizer", replicated, settings)
             self._checked = True
@@ -190,9 +189,8 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
         return fsdp.whole_tree(updated, self._layout)
 
     def _accumulate(self, gradients, weight):
-        """``(gradients, weight)`` to reduce at the cycle's k-th call (the mean over the calls,
-        for "avg", or their sum, summed in float32 and given back in the gradients' dtypes;
-        weighted: the weighted mean and the summed weight), else None."""
+        """``(gradients, weight)`` to reduce at the cycle's k-th call (the mean over the calls, for "avg", or
+        their sum; weighted: the weighted mean and the summed weight), else None."""
         k = self.accumulate_steps
         if k == 1:
             return gradients, weight
@@ -200,6 +198,13 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
             raise ValueError(
                 "DistributedOptimizer: pass weight= to every call of an accumulation cycle, or to none"
             )
+        if self._calls:  # (a key new or gone: the sum below would drop, or miss, its gradients)
+            changed = {k for k, _ in tree_flatten(gradients)} ^ {k for k, _ in tree_flatten(self._sum)}
+            if changed:
+                raise ValueError(
+                    f"DistributedOptimizer: {sorted(changed)} gained or lost their gradients within an "
+                    "accumulation cycle: freeze or unfreeze parameters after a cycle's last call"
+                )
         w = mx.array(1.0) if weight is None else as_weight(weight)  # (summed in float32: float16 overflows)
         summed = tree_map(lambda g: widened(g) * w if isinstance(g, mx.array) else g, gradients)
         if self._sum is None:
@@ -229,5 +234,5 @@ def check_start(backend, who, parameters, settings: dict):
     for _, p in tree_flatten(parameters):
         if isinstance(p, mx.array):
             digest.update(np.asarray(bits(p)))
-    name = "parameters at the first update (call du.synchronize(backend, model) on every rank first), digest"
+    name = "parameters at the first update (call du.synchronize(backend, model) on every rank first; fully sharded: before du.fully_shard), digest"
     check_same(backend, who, {**settings, name: digest.hexdigest()[:16]})

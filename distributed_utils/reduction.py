@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 
 from . import watchdog
 from .arrays import NARROW_FLOATS, dtype_name, evaluate
-from .collectives import allgather, average_factor, reduce_scatter_sum, start_sum
+from .collectives import allgather, average_factor, check_count, reduce_scatter_sum, start_sum
 from .tree import buckets, describe, floating_leaves, pack, replace_arrays, unpack, verify_same_structure
 
 
@@ -69,7 +69,7 @@ class Reduction:
         self.compression = getattr(mx, name) if name in ("bfloat16", "float16") else name
         if self.compression == "int8" and backend.size > 127:
             raise ValueError(f"int8 compression sums at most 127 ranks' levels; this job has {backend.size}")
-        self.bucket_bytes = bucket_bytes  # (None: decided per tree, ``_bucket_limit``)
+        self.bucket_bytes = None if bucket_bytes is None else check_count(bucket_bytes, 0, "bucket_bytes")
 
     def settings(self) -> dict:
         """What every rank's reduction must agree on."""
@@ -156,12 +156,12 @@ class Reduction:
             return [1.0] * len(arrays)
         local = [mx.max(mx.abs(g)).astype(mx.float32) * share if g.size else mx.array(0.0) for g in arrays]
         steps = mx.max(allgather(self.backend, mx.stack(local)[None]), axis=0) / (127 // self.backend.size)
-        return [mx.where(s > 0, s, 1.0) for s in steps]  # an array of zeros: any unit
+        return [mx.where(s == 0, 1.0, s) for s in steps]  # zeros: any unit; NaN, inf: NaN results
 
     def _wire(self, g):
-        """The dtype ``g`` travels in when not as it is (weighted, or compressed)."""
+        """The dtype ``g`` travels in when not as it is (weighted, or compressed; complex: as it is, whole)."""
         narrow = g.dtype in NARROW_FLOATS
-        if self.compression is None:  # (weighted)
+        if self.compression is None or g.dtype == mx.complex64:
             return mx.float32 if narrow else g.dtype
         return g.dtype if narrow and self.compression != "int8" else self.compression
 

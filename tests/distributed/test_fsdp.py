@@ -424,6 +424,9 @@ def test_split_gives_a_backend_over_the_ranks_of_a_color(backend):
         with pytest.raises(du.BackendUnavailableError, match="cannot split"):
             du.split(backend, backend.rank % 2)
         return
+    # (found by an adversarial test: rank 0 alone raised, and the others waited in the split)
+    with pytest.raises(ValueError, match=r"du.split: rank 0's color must be an int in \[0, 2147483647\]"):
+        du.split(backend, 2**31 if backend.rank == 0 else 0)
     pairs = du.split(backend, backend.rank // 2)
     assert pairs.size == min(2, backend.size - backend.rank // 2 * 2) and pairs.rank == backend.rank % 2
     assert du.allreduce(pairs, float(backend.rank), "sum") == sum(

@@ -187,6 +187,41 @@ def test_accumulated_apply_gradients_returns_the_parameters_until_the_kth_call(b
     assert not mx.array_equal(second["layers"][0]["weight"], model.layers[0].weight).item()
 
 
+def test_an_accumulation_cycle_whose_gradients_gain_or_lose_a_key_is_refused(backend):
+    """Found by an adversarial test: a layer unfrozen at a cycle's second call had its gradients dropped
+    silently (its parameters did not move); one frozen there was a bare KeyError. Also: a bucket_bytes that is
+    no count of bytes is named."""
+    for frozen_at_first in (True, False):
+        model = mlp()
+        step = nn.value_and_grad(model, loss_fn)
+        opt = du.DistributedOptimizer(backend, optim.SGD(0.5), accumulate_steps=2)
+        if frozen_at_first:
+            model.layers[2].freeze()
+        opt.update(model, step(model, *dataset(0, 4))[1])
+        if frozen_at_first:
+            model.layers[2].unfreeze()
+        else:
+            model.layers[2].freeze()
+        with pytest.raises(ValueError, match=r"\['layers.2.bias', 'layers.2.weight'\] gained or lost"):
+            opt.update(model, step(model, *dataset(0, 4))[1])
+    with pytest.raises(TypeError, match="bucket_bytes must be an int >= 0, got '1MB'"):
+        du.DistributedOptimizer(backend, optim.SGD(0.5), bucket_bytes="1MB")
+
+
+@pytest.mark.world(min_size=2)
+def test_compression_keeps_a_nan_no_number_and_complex_numbers_whole(backend):
+    """Found by an adversarial test: int8's unit of an array holding a NaN on one rank fell back to 1, so 1000
+    wrapped in the int8 cast and the mean came back finite (a diverged rank hidden); compressed, a complex64
+    array lost its imaginary part."""
+    last = backend.rank == backend.size - 1
+    for bad in (float("nan"), float("inf")):
+        g = {"w": mx.array([1000.0, 0.25, bad if last else 3.0])}
+        assert not mx.isfinite(du.reduce_gradients(backend, g, compression="int8")["w"]).any().item()
+    z = {"z": mx.array([1 + 2j, 3 - 4j], mx.complex64)}
+    for compression in ("bfloat16", "float16", "int8"):
+        assert mx.allclose(du.reduce_gradients(backend, z, compression=compression)["z"], z["z"]).item()
+
+
 def train_with_the_first_layer_frozen(backend, opt):
     """N ranks with ``opt`` (an Adam(1e-2)) and one process, the first layer frozen in both:
     (the trained model, the one-process reference, the frozen weights)."""
