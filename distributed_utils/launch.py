@@ -166,11 +166,11 @@ def root_cause(attempt, hosts, report, failure) -> str:
 
 
 def at_least(least, kind=int):
-    """An argparse type: a number (``kind``) >= ``least``."""
+    """An argparse type: a finite number (``kind``) >= ``least``."""
 
     def parse(text):
-        if not kind(text) >= least:
-            raise argparse.ArgumentTypeError(f"must be >= {least}, got {text}")
+        if not least <= kind(text) < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {least}, got {text}")
         return kind(text)
 
     return parse
@@ -179,6 +179,8 @@ def at_least(least, kind=int):
 def writable_file(path):
     """An argparse type: a file's path in a folder where this process can create (and remove) a file now."""
     folder = Path(path).absolute().parent
+    if Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder, not a file's path")
     try:
         tempfile.NamedTemporaryFile(dir=folder).close()
     except OSError as e:

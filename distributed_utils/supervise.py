@@ -199,7 +199,7 @@ def forward(stream, out, report, rank=None):
             # a redraw ("\rbar") returns first, then draws with one prefix
             body = line.lstrip(b"\r")
             prefix = b"[rank %d] " % line_rank if line_rank is not None and body else b""
-            with _print_lock:
+            with _print_lock, contextlib.suppress(BrokenPipeError):  # (no reader left: the job goes on)
                 out.write(line[: len(line) - len(body)] + prefix + body)
                 out.flush()
         last_rank, redraw = line_rank, line.endswith(b"\r")
@@ -353,14 +353,14 @@ def show_lost_reports(report, report_dir):
 
 
 def stop(procs, signals=(signal.SIGTERM, signal.SIGKILL)):
-    """Signal every process's group at once, then wait up to GRACE_SECONDS for them all, for
-    each signal in turn: the job ends within 2 x GRACE_SECONDS whatever its size."""
+    """Signal every process's group at once (also of those that exited: what they started ends with the job),
+    then wait up to GRACE_SECONDS for them all, for each signal in turn: the job ends within 2 x GRACE_SECONDS
+    whatever its size."""
     for sig in signals:
         for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, sig)
-                    os.killpg(p.pid, signal.SIGCONT)  # a stopped process acts on signals only once continued
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, sig)
+                os.killpg(p.pid, signal.SIGCONT)  # a stopped process acts on signals only once continued
         deadline = time.monotonic() + GRACE_SECONDS
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):

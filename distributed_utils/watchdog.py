@@ -52,8 +52,8 @@ def configure(timeout=None, debug=None):
             seconds = float(timeout)
         except (TypeError, ValueError):
             seconds = float("nan")
-        if not seconds >= 0:
-            raise ValueError(f"{where}={timeout!r} is not a number of seconds >= 0 (0: never)")
+        if not 0 <= seconds <= 1e9:  # (faulthandler's timer holds at most about 9e9 seconds)
+            raise ValueError(f"{where}={timeout!r} is not a number of seconds from 0 to 1e9 (0: never)")
         _state.timeout = seconds
     if debug is not None or _state.debug is None:
         _state.debug = contract.watchdog_environment()["debug"] if debug is None else bool(debug)

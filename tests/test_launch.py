@@ -5,9 +5,11 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -109,7 +111,7 @@ def test_two_jobs_at_once_do_not_cross_connect(backend):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["-n", "0", "python", "-c", "pass"], "argument -n: must be >= 1, got 0"),
+        (["-n", "0", "python", "-c", "pass"], "argument -n: must be a finite number >= 1, got 0"),
         (["-n", "2"], "no command given"),
         (["-n", "2", "--backend", "tcp", "python"], "invalid choice: 'tcp'"),
         (["--hostfile", "/nonexistent/hosts", "python", "-c", "pass"], "No such file"),
@@ -136,6 +138,16 @@ def test_an_output_file_that_cannot_be_written_fails_before_any_rank_starts(opti
         assert run.returncode == 2 and run.stderr.count("error:") == 1, run.stderr + run.stdout
         assert f"{option}: {folder / 'out.json'}: cannot create a file in {folder}" in run.stderr, run.stderr
         assert "started" not in run.stdout + run.stderr, run.stdout
+    # (found by an adversarial test: a folder passed the check, and its trace was lost at the job's end)
+    run = subprocess.run(
+        [*DU_LAUNCH, "-n", "2", option, str(tmp_path), "python", "-c", "pass"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and f"{option}: {tmp_path} is a folder, not a file's path" in run.stderr, (
+        run.stderr
+    )
 
 
 def test_hostfile_slots_give_the_rank_count(tmp_path):
@@ -569,3 +581,56 @@ def test_a_loop_of_bare_reduce_gradients_gets_an_account_of_its_steps():
     run = launch(2, "ring", ["python", "-c", BARE_REDUCTIONS], timeout=60)
     assert run.returncode == 0, run.stdout
     assert re.search(r"du-launch: rank 0: 7 steps, [\d.]+ s computing", run.stdout), run.stdout
+
+
+LEAVES_A_CHILD = """
+import subprocess, sys, mlx.core as mx, distributed_utils as du
+b = du.initialize()
+child = subprocess.Popen(["sleep", "300"])
+print("child", child.pid, flush=True)
+du.reduce_gradients(b, {"w": mx.ones((4,))})
+print("a bar drawn without its end", end="", file=sys.stderr, flush=True)  # (the account's record follows)
+"""
+
+
+def test_what_ranks_start_ends_with_the_job_and_a_record_after_a_bar_is_read():
+    """Found by an adversarial test: a rank's child process outlived the job; a record written after a line
+    that had no end yet (a progress bar's) was shown as output, and the account (or a preemption) lost."""
+    run = launch(2, "ring", ["python", "-c", LEAVES_A_CHILD], timeout=60)
+    assert run.returncode == 0, run.stdout
+    assert "du-launch-record" not in run.stdout, run.stdout
+    assert re.search(r"du-launch: rank 1: 1 steps", run.stdout), run.stdout
+    children = [int(pid) for pid in re.findall(r"\] child (\d+)", run.stdout)]
+    assert len(children) == 2 and not any(_still_runs(pid) for pid in children), run.stdout
+
+
+def _still_runs(pid, within=10.0) -> bool:
+    """Whether process ``pid`` still runs ``within`` seconds from now (a zombie, dead but not yet reaped by
+    init, does not run; SIGKILL takes effect when the kernel next schedules it)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            return False
+        if state == "Z":
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_reader_that_stops_reading_does_not_stop_the_job():
+    """Found by an adversarial test: `du-launch ... | head -1` hung: du-launch stopped forwarding at the
+    broken pipe, and the ranks blocked writing to theirs."""
+    chatty = "import distributed_utils as du\nb = du.initialize()\nfor i in range(100000): print('line', i)"
+    argv = [*DU_LAUNCH, "-n", "2", "--backend", "ring", "python", "-c", chatty]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    proc.stdout.readline()
+    proc.stdout.close()  # (as `| head -1` does)
+    try:
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

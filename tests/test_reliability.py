@@ -196,7 +196,19 @@ def test_a_ring_rank_whose_port_is_taken_says_so(held_port, tmp_path):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--timeout", "-1", "python", "-c", "pass"], "argument --timeout: must be >= 0, got -1"),
+        (
+            ["--timeout", "-1", "python", "-c", "pass"],
+            "argument --timeout: must be a finite number >= 0, got -1",
+        ),
+        # (found by an adversarial test: inf passed, and faulthandler's timer overflowed on every rank)
+        (
+            ["--timeout", "inf", "python", "-c", "pass"],
+            "argument --timeout: must be a finite number >= 0, got inf",
+        ),
+        (
+            ["--grace", "inf", "python", "-c", "pass"],
+            "argument --grace: must be a finite number >= 0, got inf",
+        ),
         (["--port", "70000", "python", "-c", "pass"], "--port must be a port number"),
         (
             ["--backend", "mpi", "--remote-shell", "ssh {host} -x", "python"],

@@ -96,9 +96,10 @@ def say_record(event: str, **fields):
 def read_record(line: bytes, token):
     """The record (a dict) that ``line`` holds if it carries ``token`` (this job's ``DU_RECORD_TOKEN``), or None."""
     prefix = f"{_RECORD}{token} ".encode()
-    if token and line.startswith(prefix):
+    start = line.find(prefix)  # (maybe after output not yet ended by a newline: a progress bar's)
+    if token and start >= 0:
         with contextlib.suppress(ValueError):
-            return json.loads(line[len(prefix) :])
+            return json.loads(line[start + len(prefix) :])
     return None
 
 
@@ -138,7 +139,7 @@ def report_path():
 def watchdog_environment() -> dict:
     """What ``job_environment`` sets for a rank's watchdog: ``timeout`` (``DU_TIMEOUT``'s text, or None),
     ``debug`` (``DU_DEBUG``: on or off) and ``timeline`` (``DU_TIMELINE``'s file, or None)."""
-    debug = os.environ.get("DU_DEBUG", "0") not in ("", "0", "false", "no")
+    debug = os.environ.get("DU_DEBUG", "0").lower() not in ("", "0", "false", "no", "off")
     return dict(timeout=os.environ.get("DU_TIMEOUT"), debug=debug, timeline=os.environ.get("DU_TIMELINE"))
 
 

@@ -92,7 +92,14 @@ BAD_INPUT = [
         lambda b, t: du.initialize(type(b), timeout=-1),
         False,
         ValueError,
-        "timeout=-1 is not a number of seconds >= 0 (0: never)",
+        "timeout=-1 is not a number of seconds from 0 to 1e9 (0: never)",
+    ),
+    (
+        "an infinite timeout (faulthandler's timer overflowed: found by an adversarial test)",
+        lambda b, t: du.initialize(type(b), timeout=float("inf")),
+        False,
+        ValueError,
+        "timeout=inf is not a number of seconds from 0 to 1e9",
     ),
     (
         "mismatched trees",
