@@ -33,17 +33,19 @@ def split(backend, color: int):
     """Collective: a backend over the ranks that pass the same ``color`` (an int in [0, 2**31 - 1]), in
     ``backend``'s order (MPI's ``Comm.Split``, MLX's ``Group.split``; none on MLX's ring: BackendUnavailableError).
     Watched as any collective: a rank that never calls it ends the job within the timeout."""
-    for rank, theirs in enumerate(allgather(backend, color)):  # (every rank's, checked on every rank)
-        check_count(theirs, 0, f"du.split: rank {rank}'s color", most=2**31 - 1)  # (an int32: MPI's, MLX's)
-    if backend.size == 1:
-        return backend
+    check_backend(backend)
 
-    def split_group(_):
+    def split_group(_):  # (every rank's color first, checked on every rank: an int32, MPI's and MLX's)
+        for rank, theirs in enumerate(allgather(backend, color)):
+            check_count(theirs, 0, f"du.split: rank {rank}'s color", most=2**31 - 1)
+        if backend.size == 1:
+            return backend
         with watchdog.holding_the_gil():  # (MLX's MPI splits holding it)
             return backend.split(int(color))
 
     sub = run_collective(backend, "split", [], split_group)  # (no color shown: ranks pass their own)
-    handshake(sub, parent=backend)  # (its node_rank, and its members: the job's ranks in it)
+    if sub is not backend:
+        handshake(sub, parent=backend)  # (its node_rank, and its members: the job's ranks in it)
     return sub
 
 
