@@ -199,7 +199,7 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
                 "DistributedOptimizer: pass weight= to every call of an accumulation cycle, or to none"
             )
         if self._calls:  # (a key new or gone: the sum below would drop, or miss, its gradients)
-            changed = {k for k, _ in tree_flatten(gradients)} ^ {k for k, _ in tree_flatten(self._sum)}
+            changed = dict(tree_flatten(gradients)).keys() ^ dict(tree_flatten(self._sum)).keys()
             if changed:
                 raise ValueError(
                     f"DistributedOptimizer: {sorted(changed)} gained or lost their gradients within an "

@@ -156,7 +156,7 @@ class Reduction:
             return [1.0] * len(arrays)
         local = [mx.max(mx.abs(g)).astype(mx.float32) * share if g.size else mx.array(0.0) for g in arrays]
         steps = mx.max(allgather(self.backend, mx.stack(local)[None]), axis=0) / (127 // self.backend.size)
-        return [mx.where(s == 0, 1.0, s) for s in steps]  # zeros: any unit; NaN, inf: NaN results
+        return [mx.where(s == 0, 1.0, s) for s in steps]  # zeros: any unit; NaN, inf: none finite
 
     def _wire(self, g):
         """The dtype ``g`` travels in when not as it is (weighted, or compressed; complex: as it is, whole)."""

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .backends import contract
-from .backends.contract import SIGNAL_EXIT, WATCHDOG_EXIT, read_record, timeline_path
+from .backends.contract import RECORD_PREFIX, SIGNAL_EXIT, WATCHDOG_EXIT, read_record, timeline_path
 
 GRACE_SECONDS = 3  # between SIGTERM and SIGKILL for the ranks left when one failed
 SETTLE_SECONDS = 0.5  # after a rank fails, for the others that fail with it, to tell cause from effect
@@ -206,9 +206,13 @@ def forward(stream, out, report, rank=None):
 
 
 def _pieces(stream, tagged=False):
-    """``stream``'s bytes in pieces that each end with a newline or a carriage return (or,
-    ``tagged``, before mpirun's tag: a rank's last line may have no end), and the rest."""
-    ends = rb"(?<=\n)|(?<=\r)(?!\n)" + (rb"|(?<=.)(?=\[\d+,\d+\]<std(?:out|err)>: )" if tagged else b"")
+    """``stream``'s bytes in pieces that each end with a newline or a carriage return, or before a record (a
+    progress bar may leave its line without an end), or, ``tagged``, before mpirun's tag (a rank's last line
+    may have no end); and the rest."""
+    ends = [rb"(?<=\n)", rb"(?<=\r)(?!\n)", rb"(?<=.)(?=" + re.escape(RECORD_PREFIX.encode()) + rb")"]
+    if tagged:
+        ends.append(rb"(?<=.)(?=\[\d+,\d+\]<std(?:out|err)>: )")
+    ends = b"|".join(ends)
     rest = b""
     while chunk := stream.read1(1 << 16):
         *pieces, rest = re.split(ends, rest + chunk)
@@ -353,14 +357,14 @@ def show_lost_reports(report, report_dir):
 
 
 def stop(procs, signals=(signal.SIGTERM, signal.SIGKILL)):
-    """Signal every process's group at once (also of those that exited: what they started ends with the job),
-    then wait up to GRACE_SECONDS for them all, for each signal in turn: the job ends within 2 x GRACE_SECONDS
-    whatever its size."""
+    """Signal every process's group at once, then wait up to GRACE_SECONDS for them all, for
+    each signal in turn: the job ends within 2 x GRACE_SECONDS whatever its size."""
     for sig in signals:
         for p in procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, sig)
-                os.killpg(p.pid, signal.SIGCONT)  # a stopped process acts on signals only once continued
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, sig)
+                    os.killpg(p.pid, signal.SIGCONT)  # a stopped process acts on signals only once continued
         deadline = time.monotonic() + GRACE_SECONDS
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -404,5 +408,5 @@ def stop_on_signals(procs, report, grace=0):
 
 
 def log(message):
-    with _print_lock:
+    with _print_lock, contextlib.suppress(BrokenPipeError):  # (no reader left: the job goes on)
         print(f"du-launch: {message}", file=sys.stderr, flush=True)

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -583,40 +582,23 @@ def test_a_loop_of_bare_reduce_gradients_gets_an_account_of_its_steps():
     assert re.search(r"du-launch: rank 0: 7 steps, [\d.]+ s computing", run.stdout), run.stdout
 
 
-LEAVES_A_CHILD = """
-import subprocess, sys, mlx.core as mx, distributed_utils as du
+A_BAR_THEN_A_RECORD = """
+import sys, mlx.core as mx, distributed_utils as du
 b = du.initialize()
-child = subprocess.Popen(["sleep", "300"])
-print("child", child.pid, flush=True)
 du.reduce_gradients(b, {"w": mx.ones((4,))})
 print("a bar drawn without its end", end="", file=sys.stderr, flush=True)  # (the account's record follows)
 """
 
 
-def test_what_ranks_start_ends_with_the_job_and_a_record_after_a_bar_is_read():
-    """Found by an adversarial test: a rank's child process outlived the job; a record written after a line
-    that had no end yet (a progress bar's) was shown as output, and the account (or a preemption) lost."""
-    run = launch(2, "ring", ["python", "-c", LEAVES_A_CHILD], timeout=60)
+def test_a_record_after_a_line_without_its_end_is_read_and_the_line_shown():
+    """Found by an adversarial test: a record written after a line that had no end yet (a progress bar's)
+    was shown as output, and the account (or a preemption: exit 0, not 75) was lost."""
+    run = launch(2, "ring", ["python", "-c", A_BAR_THEN_A_RECORD], timeout=60)
     assert run.returncode == 0, run.stdout
     assert "du-launch-record" not in run.stdout, run.stdout
     assert re.search(r"du-launch: rank 1: 1 steps", run.stdout), run.stdout
-    children = [int(pid) for pid in re.findall(r"\] child (\d+)", run.stdout)]
-    assert len(children) == 2 and not any(_still_runs(pid) for pid in children), run.stdout
-
-
-def _still_runs(pid, within=10.0) -> bool:
-    """Whether process ``pid`` still runs ``within`` seconds from now (a zombie, dead but not yet reaped by
-    init, does not run; SIGKILL takes effect when the kernel next schedules it)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except FileNotFoundError:
-            return False
-        if state == "Z":
-            return False
-        time.sleep(0.05)
-    return True
+    for r in range(2):
+        assert f"[rank {r}] a bar drawn without its end\n" in run.stdout, run.stdout
 
 
 def test_a_reader_that_stops_reading_does_not_stop_the_job():
@@ -625,10 +607,10 @@ def test_a_reader_that_stops_reading_does_not_stop_the_job():
     chatty = "import distributed_utils as du\nb = du.initialize()\nfor i in range(100000): print('line', i)"
     argv = [*DU_LAUNCH, "-n", "2", "--backend", "ring", "python", "-c", chatty]
     proc = subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     proc.stdout.readline()
-    proc.stdout.close()  # (as `| head -1` does)
+    proc.stdout.close()  # (as `2>&1 | head -1` does: du-launch's own lines too)
     try:
         assert proc.wait(timeout=120) == 0
     finally:

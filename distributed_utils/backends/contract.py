@@ -24,7 +24,8 @@ WATCHDOG_EXIT = 124
 PREEMPTED_EXIT = 75
 SIGNAL_EXIT = 128
 
-_RECORD = "du-launch-record "
+#: What a record's line begins with (then the job's token and the record's JSON): du-launch reads, and hides, it.
+RECORD_PREFIX = "du-launch-record "
 #: The events of the records (``record``), each read by du-launch (what each carries: docs/architecture.md).
 ACCOUNT, FINISHED, MEASURED, PREEMPTED, WATCHDOG = "account", "finished", "measured", "preempted", "watchdog"
 
@@ -84,7 +85,7 @@ def record(event: str, **fields):
     token = os.environ.get("DU_RECORD_TOKEN")
     if not token:
         return None
-    return f"{_RECORD}{token} " + json.dumps({"event": event, "rank": launched_rank(), **fields})
+    return f"{RECORD_PREFIX}{token} " + json.dumps({"event": event, "rank": launched_rank(), **fields})
 
 
 def say_record(event: str, **fields):
@@ -95,11 +96,10 @@ def say_record(event: str, **fields):
 
 def read_record(line: bytes, token):
     """The record (a dict) that ``line`` holds if it carries ``token`` (this job's ``DU_RECORD_TOKEN``), or None."""
-    prefix = f"{_RECORD}{token} ".encode()
-    start = line.find(prefix)  # (maybe after output not yet ended by a newline: a progress bar's)
-    if token and start >= 0:
+    prefix = f"{RECORD_PREFIX}{token} ".encode()
+    if token and line.startswith(prefix):
         with contextlib.suppress(ValueError):
-            return json.loads(line[start + len(prefix) :])
+            return json.loads(line[len(prefix) :])
     return None
 
 
