@@ -206,10 +206,10 @@ def forward(stream, out, report, rank=None):
 
 
 def _pieces(stream, tagged=False):
-    """``stream``'s bytes in pieces that each end with a newline or a carriage return, or before a record (a
-    progress bar may leave its line without an end), or, ``tagged``, before mpirun's tag (a rank's last line
-    may have no end); and the rest."""
-    ends = [rb"(?<=\n)", rb"(?<=\r)(?!\n)", rb"(?<=.)(?=" + re.escape(RECORD_PREFIX.encode()) + rb")"]
+    """``stream``'s bytes in pieces that each end with a newline or a carriage return, or before a record
+    (a progress bar may leave its line without an end; not right after mpirun's tag), or, ``tagged``, before
+    mpirun's tag (a rank's last line may have no end); and the rest."""
+    ends = [rb"(?<=\n)", rb"(?<=\r)(?!\n)", rb"(?<=.)(?<!>: )(?=" + re.escape(RECORD_PREFIX.encode()) + rb")"]
     if tagged:
         ends.append(rb"(?<=.)(?=\[\d+,\d+\]<std(?:out|err)>: )")
     ends = b"|".join(ends)

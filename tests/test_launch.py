@@ -590,10 +590,11 @@ print("a bar drawn without its end", end="", file=sys.stderr, flush=True)  # (th
 """
 
 
-def test_a_record_after_a_line_without_its_end_is_read_and_the_line_shown():
+@pytest.mark.parametrize("backend", START_PATHS)
+def test_a_record_after_a_line_without_its_end_is_read_and_the_line_shown(backend):
     """Found by an adversarial test: a record written after a line that had no end yet (a progress bar's)
     was shown as output, and the account (or a preemption: exit 0, not 75) was lost."""
-    run = launch(2, "ring", ["python", "-c", A_BAR_THEN_A_RECORD], timeout=60)
+    run = launch(2, backend, ["python", "-c", A_BAR_THEN_A_RECORD], timeout=60)
     assert run.returncode == 0, run.stdout
     assert "du-launch-record" not in run.stdout, run.stdout
     assert re.search(r"du-launch: rank 1: 1 steps", run.stdout), run.stdout
