@@ -553,6 +553,18 @@ def test_checks_that_finish_at_once_keep_each_others_measurements(tmp_path, monk
     assert len(kept) == 200, f"{200 - len(kept)} of 200 entries lost"
 
 
+@pytest.mark.parametrize(
+    "value, on",
+    [("1", True), ("yes", True), ("0", False), ("off", False), ("False", False), ("No", False), ("", False)],
+)
+def test_du_debug_is_off_for_the_words_that_say_off(monkeypatch, value, on):
+    """Found by an adversarial test: DU_DEBUG=off (False, No) turned debug mode on."""
+    from distributed_utils.backends.contract import watchdog_environment
+
+    monkeypatch.setenv("DU_DEBUG", value)
+    assert watchdog_environment()["debug"] is on
+
+
 def test_records_are_written_only_under_du_launch(monkeypatch, capfd):
     """#38: a rank that du-launch did not start (plain mpirun) writes no record lines: the watchdog's went
     to its stderr as raw ``du-launch-record {...}`` lines."""
