@@ -209,7 +209,7 @@ def test_an_accumulation_cycle_whose_gradients_gain_or_lose_a_key_is_refused(bac
 
 
 @pytest.mark.world(min_size=2)
-def test_compression_keeps_a_nan_no_number_and_complex_numbers_whole(backend):
+def test_compression_leaves_a_nan_or_inf_not_finite_and_complex_numbers_whole(backend):
     """Found by an adversarial test: int8's unit of an array holding a NaN on one rank fell back to 1, so 1000
     wrapped in the int8 cast and the mean came back finite (a diverged rank hidden); compressed, a complex64
     array lost its imaginary part."""
