@@ -5,9 +5,7 @@ for its forward pass, their gradients reduce-scattered (``Reduction.reduce(scatt
 backward pass. ZeRO-1 (the sharded optimizer state) and checkpoints use the same shards."""
 
 import functools
-import gc
 import math
-import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -20,8 +18,6 @@ from .arrays import bits, evaluate, is_floating, to_mx, to_numpy
 from .collectives import allgather, allreduce, bcast, check_backend, check_same
 from .reduction import Reduction
 from .tree import columns, replace_arrays
-
-_units = []  # weak references to every fully sharded module of this process, of any backend (``sharded``)
 
 
 class FullyShardedModule(nn.Module):
@@ -79,7 +75,7 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     module.__class__ = _sharded_class(type(module))
     for _, m in named:  # (marked: a module inside is refused, even once this one is gone)
         object.__setattr__(m, "_du_inside", True)
-    _units.append(weakref.ref(module))
+    backend.job().held_fully_sharded = True  # (hybrid: the optimizer is over another group of the job)
     return module
 
 
@@ -253,15 +249,15 @@ def _detached(a):
     return to_mx(to_numpy(bits(a))).view(a.dtype).reshape(a.shape)
 
 
-def sharded(model, who=None, fix="pass model=") -> dict:
-    """``{flat key: (whole shape, backend)}`` of ``model``'s shards; with no module, for ``who`` (the caller,
-    given an optimizer) a ValueError saying ``fix`` while any module (not garbage) is fully sharded."""
-    if not isinstance(model, nn.Module) and who is not None and any_alive():
-        gc.collect()  # (a module kept by a reference cycle not yet collected)
-        if any_alive():
-            raise ValueError(
-                f"{who}: the optimizer may hold the state of a fully sharded model's shards ({fix})"
-            )
+def sharded(model, backend=None, who=None, fix="pass model=") -> dict:
+    """``{flat key: (whole shape, backend)}`` of ``model``'s shards. With no module, for ``who`` (the caller,
+    given an optimizer over ``backend``): a ValueError saying ``fix`` once ``du.fully_shard`` has run in its
+    job (``held_fully_sharded``), on every rank alike, even if that model is gone."""
+    if not isinstance(model, nn.Module) and who is not None and backend.job().held_fully_sharded:
+        raise ValueError(
+            f"{who}: the optimizer may hold the state of a fully sharded model's shards, which only the model "
+            f"tells apart ({fix})"
+        )
     out = {}
     if isinstance(model, nn.Module):
         for path, m in model.named_modules():
@@ -272,8 +268,12 @@ def sharded(model, who=None, fix="pass model=") -> dict:
     return out
 
 
-def any_alive() -> bool:
-    return any(ref() is not None for ref in _units)
+def state_shards(state, backend, model, who: str, fix="pass model=") -> dict:
+    """``sharded(model)`` for an optimizer's ``state`` (an ``OptimizerState``; None: no optimizer), refused for
+    ``who`` as ``sharded`` says unless the state knows its shards itself."""
+    if state is None or state.knows_its_shards():
+        return sharded(model)
+    return sharded(model, backend, who, fix)
 
 
 def whole_tree(tree, shards: dict):

@@ -54,3 +54,11 @@ def pytest_collection_modifyitems(config, items):
 def backend():
     """The backend the launcher started, or a world of one outside a launcher."""
     return du.initialize()
+
+
+@pytest.fixture(autouse=True)
+def a_job_with_no_fully_sharded_model_yet(backend):
+    """Each test starts as a job of its own would: once a model was fully sharded in a job, an optimizer needs
+    ``model=`` (``fsdp.sharded``); a test that shards one does not ask that of the tests after it."""
+    yield
+    backend.held_fully_sharded = False
