@@ -117,9 +117,9 @@ def _shown(op, scale) -> tuple:
     return (op,) if scale == 1.0 else (op, f"scale={scale:.4g}")
 
 
-def average_factor(backend) -> float:
-    """What "avg" multiplies a sum by: 1 / the world size (decided here, once)."""
-    return 1.0 / backend.size
+def average_factor(size: int) -> float:
+    """What "avg" multiplies a sum over ``size`` ranks by: 1 / size (decided here, once)."""
+    return 1.0 / size
 
 
 def allreduce_arrays(backend, arrays: list, op, in_place=False, what="allreduce_arrays"):
@@ -127,7 +127,7 @@ def allreduce_arrays(backend, arrays: list, op, in_place=False, what="allreduce_
     ``in_place``: the arrays are handed over; the transport may write the results in them."""
     shown, scale = op, 1.0
     if op == "avg":
-        op, scale = "sum", average_factor(backend)
+        op, scale = "sum", average_factor(backend.size)
     return run_collective(backend, what, arrays, lambda a: backend.allreduce(a, op, scale, in_place), shown)
 
 

@@ -82,7 +82,12 @@ class Reduction:
         arrays = [g for _, g in self.check(tree, weight, what, verify, scale)]
         if self.backend.size == 1 and weight is None:  # (a reduce-scatter's one part is the whole)
             return Pending(lambda: replace_arrays(tree, [g if scale == 1.0 else g * scale for g in arrays]))
-        sent, transport_scale, decode = self._encode(arrays, scale, weight, what)
+        weights = None if weight is None else self._weights(weight, what)
+        maxima = self._maxima(arrays) if self.compression == "int8" else None
+        rank, size = self.backend.rank, self.backend.size
+        sent, transport_scale, decode = plan(
+            arrays, rank, size, self.op, scale, self.compression, weights, maxima
+        )
         # MLX's cache keeps 32 MiB by default: a larger buffer freed each step would be mapped anew each step
         limit = 4 * sum(g.nbytes for g in arrays)
         previous = mx.set_cache_limit(limit)
@@ -90,23 +95,6 @@ class Reduction:
             mx.set_cache_limit(previous)
         sums = self._transport(sent, transport_scale, scatter)
         return Pending(lambda: replace_arrays(tree, decode(sums())))
-
-    def _encode(self, arrays, scale, weight, what) -> tuple:
-        """Collective if weighted or int8: ``(sent, the transport's scale, sums -> results)``: the table."""
-        if weight is not None:
-            share = self._share(weight, what)
-        else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards
-            share = average_factor(self.backend)
-            scale = scale if self.op == "avg" else scale * self.backend.size
-        if self.compression is None and weight is None:  # as they are: the transport scales
-            return arrays, share * scale, lambda sums: sums
-        units = self._units(arrays, share)
-        sent = [_scaled(g, share / unit, self._wire(g)) for g, unit in zip(arrays, units)]
-
-        def decode(sums):
-            return [_scaled(piece, unit * scale, g.dtype) for piece, unit, g in zip(sums, units, arrays)]
-
-        return sent, 1.0, decode
 
     def _transport(self, sent, scale, scatter):
         """Collective: the sums of ``sent`` times ``scale`` started in buckets (the last leaves' first, each
@@ -133,13 +121,17 @@ class Reduction:
             verify_same_structure(self.backend, describe(tree) + weighted + [("(reduction)", how)], what)
         return floating_leaves(tree, what)  # after the check: the same error on every rank
 
-    def _share(self, weight, what):
-        """This rank's weight over the sum of every rank's (0 if all are 0), from one allgather; a weight
-        negative or not finite is a ValueError on every rank."""
+    def _weights(self, weight, what):
+        """Every rank's weight, from one allgather; one negative or not finite is a ValueError on every rank."""
         weights = allgather(self.backend, weight.reshape(1))
         if evaluate(weights):  # (not while MLX traces)
             check_weights(weights.tolist(), what)
-        return weight * inverse(weights.sum())
+        return weights
+
+    def _maxima(self, arrays):
+        """Every rank's largest magnitude of each of ``arrays`` (rows: ranks), from one allgather."""
+        local = [mx.max(mx.abs(g)).astype(mx.float32) if g.size else mx.array(0.0) for g in arrays]
+        return allgather(self.backend, mx.stack(local)[None])
 
     def _bucket_limit(self, arrays) -> int:
         """The bytes a bucket holds at most: ``bucket_bytes``, else a ``1 / OVERLAP_BUCKETS`` of the tree (so
@@ -150,20 +142,37 @@ class Reduction:
         share = sum(a.nbytes for a in arrays) // OVERLAP_BUCKETS
         return min(self.backend.bucket_bytes, max(MIN_BUCKET_BYTES, share))
 
-    def _units(self, arrays, share):
-        """Per array, the worth of one unit on the wire: 1, or int8's (from one allgather)."""
-        if self.compression != "int8":
-            return [1.0] * len(arrays)
-        local = [mx.max(mx.abs(g)).astype(mx.float32) * share if g.size else mx.array(0.0) for g in arrays]
-        steps = mx.max(allgather(self.backend, mx.stack(local)[None]), axis=0) / (127 // self.backend.size)
-        return [mx.where(s == 0, 1.0, s) for s in steps]  # zeros: any unit; NaN, inf: none finite
 
-    def _wire(self, g):
-        """The dtype ``g`` travels in when not as it is (weighted, or compressed; complex: as it is, whole)."""
-        narrow = g.dtype in NARROW_FLOATS
-        if self.compression is None or g.dtype == mx.complex64:
-            return mx.float32 if narrow else g.dtype
-        return g.dtype if narrow and self.compression != "int8" else self.compression
+def plan(arrays, rank, size, op="avg", scale=1.0, compression=None, weights=None, maxima=None) -> tuple:
+    """``(sent, transport_scale, decode)`` of rank ``rank`` of ``size``: the module's table, from numbers alone
+    (a test runs every rank's plan in one process). ``weights``: every rank's weight, if weighted;
+    ``maxima``: every rank's largest magnitude of each array (rows: ranks), for int8. The transport sums
+    ``sent`` over the ranks times ``transport_scale``; ``decode`` gives the results of those sums."""
+    if weights is not None:
+        shares = weights * inverse(weights.sum())
+    else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards
+        shares = mx.full((size,), average_factor(size))
+        scale = scale if op == "avg" else scale * size
+        if compression is None:  # as they are: the transport scales
+            return arrays, average_factor(size) * scale, lambda sums: sums
+    units = [1.0] * len(arrays)
+    if compression == "int8":  # the largest sent on any rank in 127 // N levels: no sum overflows
+        steps = mx.max(maxima * shares[:, None], axis=0) / (127 // size)
+        units = [mx.where(s == 0, 1.0, s) for s in steps]  # zeros: any unit; NaN, inf: none finite
+    sent = [_scaled(g, shares[rank] / unit, _wire(g, compression)) for g, unit in zip(arrays, units)]
+
+    def decode(sums):
+        return [_scaled(piece, unit * scale, g.dtype) for piece, unit, g in zip(sums, units, arrays)]
+
+    return sent, 1.0, decode
+
+
+def _wire(g, compression):
+    """The dtype ``g`` travels in when not as it is (weighted, or compressed; complex: as it is, whole)."""
+    narrow = g.dtype in NARROW_FLOATS
+    if compression is None or g.dtype == mx.complex64:
+        return mx.float32 if narrow else g.dtype
+    return g.dtype if narrow and compression != "int8" else compression
 
 
 class Pending:
