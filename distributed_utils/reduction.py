@@ -84,9 +84,8 @@ class Reduction:
             return Pending(lambda: replace_arrays(tree, [g if scale == 1.0 else g * scale for g in arrays]))
         weights = None if weight is None else self._weights(weight, what)
         maxima = self._maxima(arrays) if self.compression == "int8" else None
-        rank, size = self.backend.rank, self.backend.size
         sent, transport_scale, decode = plan(
-            arrays, rank, size, self.op, scale, self.compression, weights, maxima
+            arrays, self.backend.rank, self.backend.size, self.op, scale, self.compression, weights, maxima
         )
         # MLX's cache keeps 32 MiB by default: a larger buffer freed each step would be mapped anew each step
         limit = 4 * sum(g.nbytes for g in arrays)
