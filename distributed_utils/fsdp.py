@@ -344,7 +344,8 @@ def check_elementwise(optimizer, who: str):
     if isinstance(optimizer, ELEMENTWISE) and not isinstance(optimizer, optim.MultiOptimizer):
         return
     why = {
-        "Adafactor": "it factors each matrix's second moment",
+        "Adafactor": "it factors each matrix's second moment into row and column statistics",
+        "Muon": "it orthogonalizes each matrix's update as a whole",
         "MultiOptimizer": "it picks an optimizer for each parameter by its name",
     }
     why = why.get(type(optimizer).__name__, "it is not known to update each element on its own")

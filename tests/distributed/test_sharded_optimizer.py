@@ -183,7 +183,8 @@ def test_synchronize_keeps_each_ranks_part_and_gives_roots_learning_rate(backend
 @pytest.mark.parametrize(
     "optimizer, words",
     [
-        (lambda: optim.Adafactor(), "factors each matrix's second moment"),
+        (lambda: optim.Adafactor(), "factors each matrix's second moment into row and column statistics"),
+        (lambda: optim.Muon(1e-2), "orthogonalizes each matrix's update as a whole"),
         (OPTIMIZERS["multi"], "picks an optimizer for each parameter by its name"),
     ],
 )
