@@ -1,6 +1,7 @@
 """MPIBackend: collectives through mpi4py on host buffers (Open MPI from the pip wheel by default)."""
 
 import contextlib
+import functools
 
 import mlx.core as mx
 import numpy as np
@@ -35,38 +36,42 @@ class MPIBackend(AbstractBackend):
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
-        self._traced = None  # the MLXMPIBackend that runs the collectives of traced functions
 
-    def _while_tracing(self, arrays):
-        """None when ``arrays`` can be evaluated, else (MLX traces) MLX's MPI backend on these processes."""
-        if (arrays and isinstance(arrays[0], np.ndarray)) or evaluate(arrays):  # (numpy: host_buffers)
-            return None
-        if self._traced is None:
-            try:
-                self._traced = MLXMPIBackend()
-            except BackendUnavailableError as e:
-                raise ValueError(
-                    "MPIBackend reduces evaluated host buffers, so inside mx.compile it needs MLX's own "
-                    f"MPI backend, which cannot start here ({e}): compile the gradient computation and "
-                    "reduce outside it, or use an MLX backend"
-                ) from e
-            if (self._traced.rank, self._traced.size) != (self.rank, self.size):
-                raise ValueError(
-                    f"MPIBackend: MLX's MPI backend sees rank {self._traced.rank} of {self._traced.size}, "
-                    f"not {self.rank} of {self.size}; it cannot run this job's collectives in mx.compile"
-                )
-        return self._traced
+    @staticmethod
+    def _tracing(arrays) -> bool:
+        """Whether MLX traces ``arrays`` (``mx.compile``): then ``_traced`` runs the collective."""
+        if arrays and isinstance(arrays[0], np.ndarray):  # (host_buffers)
+            return False
+        return not evaluate(arrays)
+
+    @functools.cached_property
+    def _traced(self) -> MLXMPIBackend:
+        """MLX's MPI backend on these processes, which runs the collectives of traced functions."""
+        try:
+            traced = MLXMPIBackend()
+        except BackendUnavailableError as e:
+            raise ValueError(
+                "MPIBackend reduces evaluated host buffers, so inside mx.compile it needs MLX's own "
+                f"MPI backend, which cannot start here ({e}): compile the gradient computation and "
+                "reduce outside it, or use an MLX backend"
+            ) from e
+        if (traced.rank, traced.size) != (self.rank, self.size):
+            raise ValueError(
+                f"MPIBackend: MLX's MPI backend sees rank {traced.rank} of {traced.size}, "
+                f"not {self.rank} of {self.size}; it cannot run this job's collectives in mx.compile"
+            )
+        return traced
 
     def allreduce(self, arrays, op, scale=1.0, in_place=False):
-        if traced := self._while_tracing(arrays):
-            return traced.allreduce(arrays, op, scale)
+        if self._tracing(arrays):
+            return self._traced.allreduce(arrays, op, scale)
         return self._reduced(arrays, arrays, op, scale, in_place)
 
     def start_sum(self, arrays, scale=1.0, in_place=False):
         # Summed now, on this thread: on a thread of their own, Open MPI's sums beside MLX's computation
         # made a step 1.7-3.8x slower on this 2-core machine (benchmarks/overlap.py).
-        if traced := self._while_tracing(arrays):
-            return traced.start_sum(arrays, scale)
+        if self._tracing(arrays):
+            return self._traced.start_sum(arrays, scale)
         given = arrays
         if not in_place:  # scaled by MLX into memory of its own: MLX may still read the arrays' memory (a
             arrays, scale = [widened(a) * scale for a in arrays], 1.0  # view of it) for what it computes next
@@ -85,8 +90,8 @@ class MPIBackend(AbstractBackend):
         return [_like(w, a) for w, a in zip(work, like)]
 
     def bcast(self, x, root):
-        if traced := self._while_tracing([x]):
-            return traced.bcast(x, root)
+        if self._tracing([x]):
+            return self._traced.bcast(x, root)
         buf = contiguous_numpy(x)
         if self.rank == root:
             self.comm.Bcast(_bytes(buf), root=root)
@@ -94,8 +99,8 @@ class MPIBackend(AbstractBackend):
         return _received(buf.shape, buf.dtype, x.dtype, lambda out: self.comm.Bcast(out, root=root))
 
     def allgather(self, x):
-        if traced := self._while_tracing([x]):
-            return traced.allgather(x)
+        if self._tracing([x]):
+            return self._traced.allgather(x)
         buf = contiguous_numpy(x)
         shape = (self.size * buf.shape[0],) + buf.shape[1:]
         return _received(shape, buf.dtype, x.dtype, lambda out: self.comm.Allgather(_bytes(buf), out))
@@ -104,8 +109,8 @@ class MPIBackend(AbstractBackend):
         self.comm.Barrier()
 
     def reduce_scatter(self, x, scale=1.0):
-        if traced := self._while_tracing([x]):
-            return traced.reduce_scatter(x, scale)
+        if self._tracing([x]):
+            return self._traced.reduce_scatter(x, scale)
         sent = contiguous_numpy(widened(x))  # (x's own memory; MPI has no float16 or bfloat16)
         part = np.empty(sent.size // self.size, sent.dtype)
         self.comm.Reduce_scatter_block(sent, part, op=self._MPI.SUM)
