@@ -264,7 +264,8 @@ def _columns_and_length(data, where):
             raise ValueError(f"{where}: data is an empty {type(data).__name__} (no fields)")
         lengths = {}
         for key, field in data.items() if isinstance(data, dict) else enumerate(data):
-            if isinstance(field, (tuple, dict)) or (m := _len(field, where)) is None:
+            m = None if isinstance(field, (tuple, dict)) else _len(field, where)
+            if m is None:
                 raise TypeError(
                     f"{where}: field {key!r} is a {type(field).__name__}; the fields of a tuple or dict "
                     "must be arrays or lists (len and indexing; no nested tuples or dicts)"
@@ -277,7 +278,9 @@ def _columns_and_length(data, where):
                     f"{where}: field {key!r} has {m} items but field {first!r} has {n}; every field "
                     "needs the same length (first axis)"
                 )
-    elif (n := _len(data, where)) is None:
+    else:
+        n = _len(data, where)
+    if n is None:
         raise TypeError(
             f"{where}: cannot index a {type(data).__name__}; pass a sequence (an iterator: list() it "
             "first), a numpy or mx array, a tuple or dict of arrays, or a datasets.Dataset"
@@ -288,6 +291,7 @@ def _columns_and_length(data, where):
 
 
 def _len(x, where):
+    """``len(x)``, or None if ``x`` cannot be indexed (a 0-d array: a TypeError)."""
     if not (hasattr(x, "__len__") and hasattr(x, "__getitem__")):
         return None
     try:
