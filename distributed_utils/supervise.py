@@ -273,7 +273,8 @@ def wait_ranks(procs, report, readers):
         while len(exits) < len(procs):
             exits.append(exited.get(timeout=max(0, deadline - time.monotonic())))
     failures = [(r, c) for r, c in exits if c]
-    if ended := _launchers_own(report, [-c for _, c in failures]):
+    ended = _launchers_own(report, [-c for _, c in failures])
+    if ended is not None:
         return ended
     deadline = time.monotonic() + SETTLE_SECONDS  # their last words say whether they only lost a peer
     for t in [t for r, _ in failures for t in readers[r]]:
@@ -305,7 +306,8 @@ def wait_mpirun(proc, report):
                 stop([proc], signals=(signal.SIGKILL,))
                 code = WATCHDOG_EXIT if report.watchdog else 1
                 return Failure(code, min(report.stopped, default=report.failed_rank), how_it_ended(code))
-    if ended := _launchers_own(report, [report.signal]):
+    ended = _launchers_own(report, [report.signal])
+    if ended is not None:
         return ended
     code = exit_code(proc.returncode)
     if code == 0 and report.lost_host:  # mpirun says so, then exits 0

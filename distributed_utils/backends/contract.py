@@ -178,7 +178,8 @@ def check_ring_addresses():
         )
     for address in hosts[int(rank)]:
         ip, _, port = address.rpartition(":")
-        if error := listen_error(ip, int(port)):
+        error = listen_error(ip, int(port))
+        if error:
             held = ": another program or job holds the port" if "in use" in error else ""
             raise BackendUnavailableError(
                 f"RingBackend: rank {rank} cannot listen on {address} (from MLX_HOSTFILE): {error}{held}"
