@@ -296,13 +296,11 @@ def _started(path: Path, stale=None):
 
 
 def _finished(tmp: Path, path: Path, room: int, header: bytes):
-    """``tmp`` (its arrays written and read back) given ``header`` (``room`` bytes), fsynced, its header read
-    by MLX as a load will, renamed to ``path``, its folder synced."""
     with open(tmp, "r+b") as f:
         f.write(struct.pack("<Q", room) + header.ljust(room))
         f.flush()
         os.fsync(f.fileno())
-    mx.load(str(tmp), format="safetensors")  # (lazily: the header alone)
+    mx.load(str(tmp), format="safetensors")  # (the header read as a load will: lazily, alone)
     os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
