@@ -249,8 +249,7 @@ def _shards(backend, model, optimizer, who) -> dict:
 
 
 def _wholes(keys, layouts: dict) -> dict:
-    """``{key: (whole shape, backend)}`` for the ``keys`` ("model.w": a section's) at the shards of their
-    section's layout (``layouts[section]``, ``{parameter key: (whole shape, backend)}``)."""
+    """``fsdp.layout_of`` for section keys ("model.w") by ``{section: its layout of parameter keys}``."""
     prefixed = {f"{section}.{k}": whole for section, shards in layouts.items() for k, whole in shards.items()}
     return fsdp.layout_of(keys, prefixed)
 
