@@ -342,8 +342,7 @@ def _checkpoints_in(folder: Path) -> list:
 
 
 def _set_aside(paths: list, why: str, note=""):
-    """Rename each of ``paths`` to ``path.why`` (``.why-2``, ...: never over another), out of the checkpoints,
-    and warn so (``note`` added)."""
+    """Rename each of ``paths`` to ``path.why`` (``.why-2``, ...: never over another); warn with ``note``."""
     for path in paths:
         names = (f"{path.name}.{why}" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
         aside = next(path.with_name(name) for name in names if not path.with_name(name).exists())
