@@ -269,8 +269,7 @@ def sharded(model, backend=None, who=None, fix="pass model=") -> dict:
 
 
 def state_shards(state, backend, model, who: str, fix="pass model=") -> dict:
-    """``sharded(model)`` for an optimizer's ``state`` (an ``OptimizerState``; None: no optimizer), refused for
-    ``who`` as ``sharded`` says unless the state knows its shards itself."""
+    """``sharded(model)``, refused as ``sharded`` says unless ``state`` is None or knows its shards."""
     if state is None or state.knows_its_shards():
         return sharded(model)
     return sharded(model, backend, who, fix)
