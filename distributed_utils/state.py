@@ -82,8 +82,7 @@ def rule_settings(optimizer) -> dict:
 
 
 def _comparable(value) -> str:
-    """``value`` as text that is the same on every rank holding the same value (a function: its name,
-    not its address)."""
+    """``value`` as text the same on every rank holding it (a function: its name, not its address)."""
     if callable(value):
         return getattr(value, "__qualname__", type(value).__name__)
     shown = repr(value)
