@@ -406,21 +406,18 @@ def _read_back(backend, path: Path, saved: dict, want: dict, offsets: dict, deli
                 raise CheckpointError(f"{path} is damaged: the bytes of '{key}' do not match their checksum")
         return None if delivered is None else got
 
-    def receive(key, start, data):  # (an array once its last part came; where sharded, this rank's shard)
-        dtype, shape = specs[key]
-        if start == 0:  # (its first part)
-            wholes[key] = bytearray(math.prod(shape) * dtype.size)
-        wholes[key][start * dtype.size : start * dtype.size + len(data)] = data
-        if start * dtype.size + len(data) == len(wholes[key]):
-            a = mx.array(np.frombuffer(wholes.pop(key), f"u{dtype.size}")).view(dtype).reshape(shape)
-            out[key] = fsdp.own_shard(a, delivered[key][1]) if key in delivered else a
-            mx.eval(out[key])
-
     with open(path, "rb") if backend.rank == 0 else contextlib.nullcontext() as f:
         for step in _steps(specs, {key: len(pieces) for key, pieces in crcs.items()}):
             got = _on_rank_0(backend, partial(read, f, step), f"read {path}")
-            for (key, _, _, start, _), data in zip(step, got or []):
-                receive(key, start, data)
+            for (key, _, _, start, _), data in zip(step, got or []):  # (an array once its last part came)
+                dtype, shape = specs[key]
+                if start == 0:  # (its first part)
+                    wholes[key] = bytearray(math.prod(shape) * dtype.size)
+                wholes[key][start * dtype.size : start * dtype.size + len(data)] = data
+                if start * dtype.size + len(data) == len(wholes[key]):  # (where sharded, this rank's shard)
+                    a = mx.array(np.frombuffer(wholes.pop(key), f"u{dtype.size}")).view(dtype).reshape(shape)
+                    out[key] = fsdp.own_shard(a, delivered[key][1]) if key in delivered else a
+                    mx.eval(out[key])
     return out
 
 
