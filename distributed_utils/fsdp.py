@@ -85,8 +85,6 @@ def _sharded_class(cls):
 
 
 def _own(module, parameter_filter=nn.Module.valid_parameter_filter) -> list:
-    """``[(key, array)]``: ``module``'s parameters (by ``parameter_filter``) of no fully sharded submodule."""
-
     def keep(m, k, v):
         return not isinstance(v, FullyShardedModule) and parameter_filter(m, k, v)
 
