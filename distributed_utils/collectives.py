@@ -112,8 +112,7 @@ def reduce_scatter_sum(backend, x, scale: float = 1.0):
     return run_collective(backend, "reduce_scatter", x, lambda a: backend.reduce_scatter(a, scale), *details)
 
 
-def _shown(op, scale) -> tuple:
-    """How a reduction's op and scale show in reports: ``("sum",)``, ``("sum", "scale=0.5")``."""
+def _shown(op, scale) -> tuple:  # (how a reduction's op and scale show in reports)
     return (op,) if scale == 1.0 else (op, f"scale={scale:.4g}")
 
 
