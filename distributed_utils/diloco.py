@@ -162,7 +162,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
             fsdp.sharded(
                 None, self.backend, "DiLoCo does not compose with du.fully_shard", "use DistributedOptimizer"
             )
-            if self.backend.size > 1:
+            if self.backend.size > 1:  # (resumed: its global parameters are checked)
                 settings = dict(
                     sync_every=self.sync_every,
                     fragments=self.fragments,
@@ -171,9 +171,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
                     inner=rule_settings(self.inner_optimizer),
                     outer=rule_settings(self.outer_optimizer),
                     codec=self.codec,
-                    **self.reduction.settings(),
                 )
-                check_start(self.backend, "DiLoCo", self._global or parameters, settings)  # (resumed: global)
+                check_start(self.reduction, "DiLoCo", self._global or parameters, settings)
             self._checked = True
         if self._global is None:
             self.init(tree_map(lambda _, p: p, gradients, parameters))

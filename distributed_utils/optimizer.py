@@ -145,12 +145,12 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
         if not self._checked and evaluate(parameters):  # every rank starts alike (not while MLX traces)
             fsdp.check_mlx_sharding(self.backend, target, "DistributedOptimizer")
             mine = dict(optimizer=rule_settings(self.optimizer), accumulate_steps=self.accumulate_steps)
-            settings = {**mine, "shard_optimizer_state": self.sharded, **self.reduction.settings()}
+            settings = {**mine, "shard_optimizer_state": self.sharded}
             held = "shards ((rank, size) in each du.fully_shard backend: give the optimizer one across the ranks of a shard)"
             others = dict.fromkeys(b for _, b in self._fully_sharded.values() if b is not self.backend)
             settings[held] = [(b.rank, b.size) for b in others]  # (one per backend, in the model's order)
             replicated = {k: p for k, p in tree_flatten(parameters) if k not in shards}
-            check_start(self.backend, "DistributedOptimizer", replicated, settings)
+            check_start(self.reduction, "DistributedOptimizer", replicated, settings)
             self._checked = True
         cycle = self._accumulate(gradients, weight)
         if cycle is None:
@@ -229,12 +229,12 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
         return tree_map(mean, total, gradients), weight
 
 
-def check_start(backend, who, parameters, settings: dict):
-    """Collective: ValueError on every rank unless every rank holds rank 0's parameters (by
-    digest) and ``settings`` (they decide which collectives a rank makes, and how it steps)."""
+def check_start(reduction, who, parameters, settings: dict):
+    """Collective: ValueError on every rank unless every rank holds rank 0's parameters (by digest),
+    ``settings`` and ``reduction``'s (they decide which collectives a rank makes, and how it steps)."""
     digest = hashlib.sha256()
     for _, p in tree_flatten(parameters):
         if isinstance(p, mx.array):
             digest.update(np.asarray(bits(p)))
     name = "parameters at the first update (call du.synchronize(backend, model) on every rank first; fully sharded: before du.fully_shard), digest"
-    check_same(backend, who, {**settings, name: digest.hexdigest()[:16]})
+    check_same(reduction.backend, who, {**settings, **reduction.settings(), name: digest.hexdigest()[:16]})
