@@ -82,7 +82,6 @@ def signature(x):
 
 
 def show(sig) -> str:
-    """A signature as text: ``float32(3, 4)``."""
     return f"{sig[0]}{sig[1]}" if isinstance(sig, tuple) else str(sig)
 
 
