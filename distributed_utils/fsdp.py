@@ -301,7 +301,6 @@ def layout_of(keys, shards: dict) -> dict:
 
 
 def split_at_shards(tree, shards: dict) -> tuple:
-    """``tree``'s flat ``(key, leaf)`` pairs: ``(those at or under a key of shards, the others)``."""
     flat = tree_flatten(tree)
     at = layout_of([k for k, _ in flat], shards)
     return [(k, v) for k, v in flat if k in at], [(k, v) for k, v in flat if k not in at]
