@@ -62,10 +62,8 @@ class AbstractBackend(abc.ABC):
         """Returns on each rank once every rank has called it."""
 
     def start_sum(self, arrays: list, scale: float = 1.0, in_place: bool = False):
-        """Start the sum over all ranks of each of ``arrays`` times ``scale``, to travel while the rank
-        computes, after the sums started before it; returns the function that waits for the sums and gives
-        them. ``in_place``: the arrays are handed over (MLX no longer reads their memory: not a gradient
-        whose memory a computation still to come may read). Here: ``allreduce``, now."""
+        """``collectives.start_sum``'s primitive (its order of travel and ``in_place`` as there): returns the
+        function that waits for the sums and gives them. Here: ``allreduce``, now."""
         out = self.allreduce(arrays, "sum", scale, in_place)
         return lambda: out
 
