@@ -21,9 +21,8 @@ from .tree import floating_leaves
 
 class DiLoCo(OptimizerState, optim.Optimizer):
     """The module's algorithm around ``inner_optimizer`` (a plain ``mlx.optimizers`` optimizer, each
-    rank's). Collective like ``DistributedOptimizer``, but a step that syncs no fragment makes none;
-    after a sync the fragment's parameters are bit for bit the same on every rank. The first update
-    checks that the ranks start from the same parameters and settings.
+    rank's). Collective like ``DistributedOptimizer`` (its first update's check too), but a step that syncs
+    no fragment makes none; after a sync the fragment's parameters are bit for bit the same on every rank.
 
     Args:
         outer_optimizer: default ``optim.SGD(0.7, momentum=0.9, nesterov=True)``; its state is
