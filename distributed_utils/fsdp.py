@@ -343,8 +343,7 @@ def check_elementwise(optimizer, who: str):
         "Adafactor": "it factors each matrix's second moment into row and column statistics",
         "Muon": "it orthogonalizes each matrix's update as a whole",
         "MultiOptimizer": "it picks an optimizer for each parameter by its name",
-    }
-    why = why.get(type(optimizer).__name__, "it is not known to update each element on its own")
+    }.get(type(optimizer).__name__, "it is not known to update each element on its own")
     names = ", ".join(c.__name__ for c in ELEMENTWISE) + " (and AdamW, a subclass of Adam)"
     raise ValueError(
         f"{who} steps shards of the parameters, which is exact only for element-by-element optimizers "
