@@ -15,8 +15,7 @@ MX_DTYPES = {dtype_name(d): d for d in vars(mx).values() if isinstance(d, mx.Dty
 MX_BY_NUMPY = {np.dtype(name): d for name, d in MX_DTYPES.items() if name != "bfloat16"}
 DTYPE_NAMES = "bool, (u)int8-64, float16, bfloat16, float32, float64, complex64"
 
-#: The unsigned integer dtype of each item size in bytes: views that carry any array's bits.
-UINT_BY_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+UINT_BY_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}  # views that carry any array's bits
 
 #: The floats too narrow to sum in (they overflow or round early; MPI has no type for them).
 NARROW_FLOATS = (mx.float16, mx.bfloat16)
