@@ -78,8 +78,7 @@ class AbstractBackend(abc.ABC):
         """The backend of the whole job that this one was split from (itself if none)."""
         return self if self.parent is None else self.parent.job()
 
-    def split(self, color: int) -> "AbstractBackend":
-        """A backend over the ranks that pass the same ``color``, in this one's rank order."""
+    def split(self, color: int) -> "AbstractBackend":  # (du.split's primitive: its docstring)
         raise BackendUnavailableError(f"{type(self).__name__} cannot split into groups")
 
     def __repr__(self):
