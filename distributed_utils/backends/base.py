@@ -75,7 +75,6 @@ class AbstractBackend(abc.ABC):
         return mx.contiguous(self.allreduce([x], "sum", scale)[0][self.rank * c : (self.rank + 1) * c])
 
     def job(self) -> "AbstractBackend":
-        """The backend of the whole job that this one was split from (itself if none)."""
         return self if self.parent is None else self.parent.job()
 
     def split(self, color: int) -> "AbstractBackend":  # (du.split's primitive: its docstring)
