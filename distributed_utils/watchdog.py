@@ -161,10 +161,9 @@ def _register(region):
 
 
 def _finished(region):
-    """``region`` has ended: out of the watch; into the account (a collective: ``seq`` > 0) and timeline."""
     end, nbytes = time.monotonic(), sum(getattr(a, "nbytes", 0) for a in region.arrays)
     _state.inflight.pop(region, None)
-    if region.seq:
+    if region.seq:  # (a collective, in the account; a watch region's seq is 0)
         _state.waited, _state.sent = _state.waited + end - region.start, _state.sent + nbytes
         _state.done, _state.last = f"#{region.seq}{region.group}", end
         _state.first = _state.first or region.start
