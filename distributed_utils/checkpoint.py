@@ -285,7 +285,6 @@ def _layout(specs: dict, meta_json: str, counts: dict):
 
 
 def _started(path: Path, stale=None):
-    """``(a new temporary file by path, a random token after its first 8 bytes)``; killed saves' gone."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for old in path.parent.glob(stale or f".{path.name}.tmp-*"):  # left by a killed job
         old.unlink(missing_ok=True)
