@@ -15,7 +15,6 @@ class TreeMismatchError(ValueError):
 
 
 def floating_leaves(tree, what: str) -> list:
-    """``[(key, array)]``, the mx.arrays of ``tree``; a TypeError naming one that is not floating."""
     leaves = [(key, a) for key, a in tree_flatten(tree) if isinstance(a, mx.array)]
     for key, a in leaves:
         if not mx.issubdtype(a.dtype, mx.inexact):
