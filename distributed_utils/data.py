@@ -313,7 +313,6 @@ def _take(field, idx):
 
 
 def _stack(values: list):
-    """Items as one batch: per field (tuples, dicts), an mx.array (numbers, arrays), else the list itself."""
     first = values[0]
     if isinstance(first, tuple):
         return tuple(_stack(list(col)) for col in zip(*values))
