@@ -308,7 +308,6 @@ def _finished(tmp: Path, path: Path, room: int, header: bytes):
 
 
 def _header(specs: dict, metadata: dict, crcs: dict) -> bytes:
-    """A safetensors header: ``metadata`` with the arrays' CRC-32s and its own, each array's place."""
     metadata = {**metadata, "crc32": json.dumps(crcs)}
     metadata["header_crc32"] = _header_crc(metadata, specs)
     header, start = {"__metadata__": metadata}, 0
