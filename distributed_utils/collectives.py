@@ -107,7 +107,6 @@ def barrier(backend):
 
 
 def reduce_scatter_sum(backend, x, scale: float = 1.0):
-    """Collective: this rank's part of the sum of every rank's 1-d ``x`` times ``scale``."""
     details = _shown("sum", scale)
     return run_collective(backend, "reduce_scatter", x, lambda a: backend.reduce_scatter(a, scale), *details)
 
