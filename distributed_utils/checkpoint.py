@@ -480,7 +480,7 @@ def save_adapters(backend, path, model, config=None, *, trainable_only=True):
     ``config`` beside it as ``adapter_config.json``; CheckpointError on every rank if it could not."""
     path, shards = Path(path), _shards(backend, model, None, "save_adapters")
     config_file = path.parent / "adapter_config.json"
-    write_config = None if config is None else lambda: config_file.write_text(json.dumps(config, indent=4))
+    write_config = None if config is None else partial(config_file.write_text, json.dumps(config, indent=4))
     arrays = dict(tree_flatten(model.trainable_parameters() if trainable_only else model.parameters()))
     wholes = fsdp.layout_of(arrays, shards)
     _write(backend, path, arrays, wholes, json.dumps({"format": "adapters"}), write_config)
