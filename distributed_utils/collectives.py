@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import watchdog
-from .arrays import DTYPE_NAMES, MX_BY_NUMPY, evaluate, is_floating, to_mx, to_numpy
+from .arrays import DTYPE_NAMES, MX_BY_NUMPY, dtype_name, evaluate, is_floating, to_mx, to_numpy
 from .backends import AbstractBackend, BackendUnavailableError
 
 #: Lux's ``DistributedUtils.avg``: the averaging reduction op.
@@ -55,7 +55,7 @@ def allreduce(backend, x, op):
     if op == "avg" and not is_floating(arr.dtype):
         raise TypeError(f"op 'avg' needs a floating or complex dtype, got {arr.dtype}; use 'sum'")
     bools, nan_wins = arr.dtype in {mx.bool_, np.dtype(bool)}, op in ("max", "min") and is_floating(arr.dtype)
-    if nan_wins and "complex" in str(arr.dtype):  # (mx or numpy dtype)
+    if nan_wins and dtype_name(arr.dtype).startswith("complex"):  # (mx or numpy dtype)
         raise TypeError(f"op {op!r} is not defined for complex numbers ({arr.dtype})")
     arr = to_mx(arr) if bools or nan_wins or not backend.host_buffers else arr  # (else MPI on numpy's memory)
     if bools:  # as bytes: MPI aborts on bools

@@ -305,7 +305,7 @@ def _map_fields(fields, fn):
 
 
 def _take(field, idx):
-    if isinstance(field, np.ndarray):
+    if isinstance(field, np.ndarray):  # (as MLX makes a batch of numpy's: float64 becomes float32)
         return mx.array(field[idx])
     if isinstance(field, mx.array):
         return field[mx.array(idx)]

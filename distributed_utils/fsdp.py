@@ -14,7 +14,7 @@ from mlx import optimizers as optim
 from mlx.nn.layers import distributed as mlx_sharded
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .arrays import bits, evaluate, is_floating, to_mx, to_numpy
+from .arrays import bits, dtype_name, evaluate, is_floating, to_mx, to_numpy
 from .collectives import allgather, allreduce, bcast, check_backend, check_same
 from .reduction import Reduction
 from .tree import columns, replace_arrays
@@ -63,7 +63,7 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
         which = f"its '{inside[0]}'" if inside[0] else "the module"
         raise ValueError(f"du.fully_shard: {which} is inside a fully sharded one; shard blocks first")
     own, nested = _own(module), bool(units)
-    layout = [(k, a.shape, str(a.dtype)) for k, a in own]
+    layout = [(k, a.shape, dtype_name(a.dtype)) for k, a in own]
     settings = {"parameters (key, shape, dtype)": layout, "compute_dtype": str(compute_dtype)}
     check_same(backend, "du.fully_shard", {**settings, "reshard_after_forward": reshard_after_forward})
     # one parameter whole at a time: own_shard evaluates and copies this rank's shard before the next

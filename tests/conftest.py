@@ -57,8 +57,8 @@ def backend():
 
 
 @pytest.fixture(autouse=True)
-def a_job_with_no_fully_sharded_model_yet(backend):
+def a_job_with_no_fully_sharded_model_yet():
     """Each test starts as a job of its own would: once a model was fully sharded in a job, an optimizer needs
     ``model=`` (``fsdp.sharded``); a test that shards one does not ask that of the tests after it."""
     yield
-    backend.held_fully_sharded = False
+    du.initialize().held_fully_sharded = False  # (the job's backend: this process's)
