@@ -148,7 +148,7 @@ def plan(arrays, rank, size, op="avg", scale=1.0, compression=None, weights=None
     ``maxima``: every rank's largest magnitude of each array (rows: ranks), for int8. The transport sums
     ``sent`` over the ranks times ``transport_scale``; ``decode`` gives the results of those sums."""
     if weights is not None:
-        shares = weights * inverse(weights.sum())
+        shares = weighted_shares(weights)
     else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards
         shares = mx.full((size,), average_factor(size))
         scale = scale if op == "avg" else scale * size
@@ -189,6 +189,13 @@ def check_weights(weights: list, what: str):
             f"{what}: weight must be one number >= 0 per rank (a count of tokens, say); ranks {bad} "
             f"passed {[weights[r] for r in bad]} (nan: no number, or an array of another shape)"
         )
+
+
+def weighted_shares(weights: mx.array) -> mx.array:
+    """Every rank's ``w_r / sum w`` (zeros if all are 0), over the largest weight first: nothing overflows."""
+    top = mx.max(weights)
+    relative = weights / mx.where(top > 0, top, 1.0)
+    return relative * inverse(relative.sum())
 
 
 def inverse(total_weight: mx.array) -> mx.array:

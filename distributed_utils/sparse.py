@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .collectives import allgather, check_count
-from .reduction import check_weights
+from .reduction import check_weights, weighted_shares
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,7 @@ class SparseCodec:
         gathered = allgather(backend, np.frombuffer(b"".join(mine), np.uint8)).reshape(backend.size, -1)
         weights = gathered[:, :4].copy().view(np.float32).ravel()
         check_weights(weights.tolist(), "DiLoCo's sparse sync")
-        shares = weights * (np.float32(1) / weights.sum() if weights.sum() > 0 else np.float32(0))
+        shares = np.array(weighted_shares(mx.array(weights)))  # (as the dense reduction's, bit for bit)
         averaged, offset = {}, 4
         for key, delta in pseudo.items():
             size = sum(self._sizes(delta.size))

@@ -102,3 +102,12 @@ def test_a_nan_or_inf_on_one_rank_is_no_finite_number_after_int8_and_complex_arr
         plans = [plan([z], r, 2, compression=compression, maxima=mx.array([[5.0], [5.0]])) for r in range(2)]
         assert plans[0][0][0].dtype == mx.complex64
         assert mx.allclose(plans[0][2](reduced(plans))[0], z).item()
+
+
+def test_weights_huge_or_tiny_give_the_weighted_mean():
+    """Found by an adversarial test: the shares were w_r * (1 / sum w) in float32, so finite weights of 2e38
+    (their sum inf) gave zeros, and subnormal ones (1 / sum: inf) inf or NaN, silently."""
+    mine = [mx.array([1.0, 2.0]), mx.array([3.0, 4.0])]
+    for weights, expected in (([2e38, 2e38], [2, 3]), ([1e-40, 1e-40], [2, 3]), ([1e-45, 0.0], [1, 2])):
+        plans = [plan([mine[r]], r, 2, weights=mx.array(weights, mx.float32)) for r in range(2)]
+        assert plans[0][2](reduced(plans))[0].tolist() == expected, weights
