@@ -245,7 +245,7 @@ def load_checkpoint(backend, path, *, model=None, optimizer=None, data=None):
 def _shards(backend, model, optimizer, who) -> dict:
     check_backend(backend)
     fsdp.check_mlx_sharding(backend, model, who, replicated_ok=False)
-    return fsdp.state_shards(None if optimizer is None else of(optimizer), backend, model, who)
+    return fsdp.state_shards(None if optimizer is None else of(optimizer), model, who)
 
 
 def _wholes(keys, layouts: dict) -> dict:

@@ -291,7 +291,6 @@ def _columns_and_length(data, where):
 
 
 def _len(x, where):
-    """``len(x)``, or None if ``x`` cannot be indexed (a 0-d array: a TypeError)."""
     if not (hasattr(x, "__len__") and hasattr(x, "__getitem__")):
         return None
     try:

@@ -158,9 +158,7 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         """The updated ``parameters`` at the keys of ``gradients``: ``update``'s steps."""
         if not self._checked:  # the ranks start alike: at the first update, or a resumed job's first
             fsdp.check_mlx_sharding(self.backend, parameters, "DiLoCo")
-            fsdp.sharded(
-                None, self.backend, "DiLoCo does not compose with du.fully_shard", "use DistributedOptimizer"
-            )
+            fsdp.sharded(None, "DiLoCo does not compose with du.fully_shard", "use DistributedOptimizer")
             if self.backend.size > 1:  # (resumed: its global parameters are checked)
                 settings = dict(
                     sync_every=self.sync_every,

@@ -19,6 +19,9 @@ from .collectives import allgather, allreduce, bcast, check_backend, check_same
 from .reduction import Reduction
 from .tree import columns, replace_arrays
 
+#: Whether ``du.fully_shard`` ran in this process (over any backend; it stays set): see ``sharded``.
+fully_sharded_in_process = False
+
 
 class FullyShardedModule(nn.Module):
     """What ``fully_shard`` makes a module's class (a subclass of its own): it gathers at each call."""
@@ -75,7 +78,8 @@ def fully_shard(backend, module, *, compute_dtype=None, reshard_after_forward=Tr
     module.__class__ = _sharded_class(type(module))
     for _, m in named:  # (marked: a module inside is refused, even once this one is gone)
         object.__setattr__(m, "_du_inside", True)
-    backend.job().held_fully_sharded = True  # (hybrid: the optimizer is over another group of the job)
+    global fully_sharded_in_process
+    fully_sharded_in_process = True
     return module
 
 
@@ -247,11 +251,11 @@ def _detached(a):
     return to_mx(to_numpy(bits(a))).view(a.dtype).reshape(a.shape)
 
 
-def sharded(model, backend=None, who=None, fix="pass model=") -> dict:
+def sharded(model, who=None, fix="pass model=") -> dict:
     """``{flat key: (whole shape, backend)}`` of ``model``'s shards. With no module, for ``who`` (the caller,
-    given an optimizer over ``backend``): a ValueError saying ``fix`` once ``du.fully_shard`` has run in its
-    job (``held_fully_sharded``), on every rank alike, even if that model is gone."""
-    if not isinstance(model, nn.Module) and who is not None and backend.job().held_fully_sharded:
+    given an optimizer, whose state only the model tells apart): a ValueError saying ``fix`` once
+    ``fully_sharded_in_process``, even if that model is gone (on every rank that fully sharded one)."""
+    if not isinstance(model, nn.Module) and who is not None and fully_sharded_in_process:
         raise ValueError(
             f"{who}: the optimizer may hold the state of a fully sharded model's shards, which only the model "
             f"tells apart ({fix})"
@@ -266,11 +270,11 @@ def sharded(model, backend=None, who=None, fix="pass model=") -> dict:
     return out
 
 
-def state_shards(state, backend, model, who: str, fix="pass model=") -> dict:
+def state_shards(state, model, who: str, fix="pass model=") -> dict:
     """``sharded(model)``, refused as ``sharded`` says unless ``state`` is None or knows its shards."""
     if state is None or state.knows_its_shards():
         return sharded(model)
-    return sharded(model, backend, who, fix)
+    return sharded(model, who, fix)
 
 
 def whole_tree(tree, shards: dict):

@@ -85,7 +85,7 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
     def whole_state(self) -> dict:
         fix = "update first, or save_checkpoint(model=, optimizer=)"  # (it learns the shards at its first update)
         if self.initialized():
-            fsdp.state_shards(self, self.backend, None, "DistributedOptimizer.whole_state()", fix)
+            fsdp.state_shards(self, None, "DistributedOptimizer.whole_state()", fix)
         return fsdp.whole_tree(*self.held_state())
 
     def held_state(self) -> tuple:
@@ -102,7 +102,7 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
     def load_whole_state(self, state: dict, model=None):
         """Set from whole_state()'s form, each rank keeping its shards (a checkpoint's come as shards)."""
         self._sum, self._weight, self._calls = None, None, 0  # (a cycle begun before is not this state's)
-        if fsdp.state_shards(self, self.backend, model, "DistributedOptimizer.load_whole_state"):
+        if fsdp.state_shards(self, model, "DistributedOptimizer.load_whole_state"):
             self._take_fully_sharded(model)
         elif self.sharded and has_entries(state):  # (the shapes of the whole state's entries)
             entries = tree_flatten({k: v for k, v in state.items() if k not in scalars(state)})
@@ -169,9 +169,7 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
     def _take_fully_sharded(self, target):
         """``target``'s fully sharded parameters (a model's: ``fsdp.sharded``): the layout of their state;
         those of this backend's units are reduced in their backward pass, not here."""
-        every = fsdp.sharded(
-            target, self.backend, "DistributedOptimizer.apply_gradients", "use update(model, ...)"
-        )
+        every = fsdp.sharded(target, "DistributedOptimizer.apply_gradients", "use update(model, ...)")
         if every:
             fsdp.check_elementwise(self.optimizer, "DistributedOptimizer over a fully sharded model")
             self._layout = every

@@ -70,7 +70,7 @@ def handshake(backend, expected=None, parent=None):
         )
     backend.node_rank = hosts[: backend.rank].count(hosts[backend.rank])
     if parent is not None:
-        backend.members, backend.parent = ranks, parent
+        backend.members = ranks
 
 
 def initialized(backend_type) -> bool:

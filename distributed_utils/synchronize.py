@@ -34,7 +34,7 @@ def synchronize(backend, x, root: int = 0, *, model=None, trainable_only=False):
         if model is not None and not state.initialized():
             x.init(model.trainable_parameters())
         hint = "call opt.init(model.trainable_parameters()) first, or pass model=model"
-        shards = fsdp.state_shards(state, backend, model, what)
+        shards = fsdp.state_shards(state, model, what)
         try:
             shared = _synchronize_tree(backend, state.shared_state(), root, what, shards)
         except TreeMismatchError as e:

@@ -61,4 +61,4 @@ def a_job_with_no_fully_sharded_model_yet():
     """Each test starts as a job of its own would: once a model was fully sharded in a job, an optimizer needs
     ``model=`` (``fsdp.sharded``); a test that shards one does not ask that of the tests after it."""
     yield
-    du.initialize().held_fully_sharded = False  # (the job's backend: this process's)
+    du.fsdp.fully_sharded_in_process = False

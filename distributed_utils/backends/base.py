@@ -24,12 +24,9 @@ class AbstractBackend(abc.ABC):
     started_by_du_launch: bool = False
     #: This process's rank among the processes on its host; set by ``initialize``.
     node_rank: int = 0
-    #: The job's ranks in this group (``du.split``'s) and the backend it was split from, or None for the whole
-    #: job; this process's rank in the job; the number of the last collective on it (each group its own).
-    members, parent, job_rank, seq = None, None, 0, 0
-    #: On the job's backend: whether ``du.fully_shard`` ran over it or a group of it. An optimizer over any of
-    #: them may then hold shards' state, which only the model tells apart (``fsdp.sharded``).
-    held_fully_sharded = False
+    #: The job's ranks in this group (``du.split``'s), or None for the whole job; this process's rank in the
+    #: job; the number of the last collective on it (each group numbers its own: groups make their own).
+    members, job_rank, seq = None, 0, 0
     #: Gradients smaller than this are packed into buckets of this many bytes, one collective
     #: each; larger ones travel alone, as they are (mlx.nn.average_gradients packs 32 MiB too).
     bucket_bytes: int = 32 * 2**20
@@ -73,9 +70,6 @@ class AbstractBackend(abc.ABC):
         ``native_reduce_scatter``)."""
         c = x.shape[0] // self.size
         return mx.contiguous(self.allreduce([x], "sum", scale)[0][self.rank * c : (self.rank + 1) * c])
-
-    def job(self) -> "AbstractBackend":
-        return self if self.parent is None else self.parent.job()
 
     def split(self, color: int) -> "AbstractBackend":  # (du.split's primitive: its docstring)
         raise BackendUnavailableError(f"{type(self).__name__} cannot split into groups")

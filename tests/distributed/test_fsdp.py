@@ -359,8 +359,8 @@ def test_a_disk_that_fills_halfway_through_a_sharded_save_fails_on_every_rank(ba
 
 def test_once_a_model_was_fully_sharded_an_optimizer_without_model_is_refused_on_every_rank(backend):
     """Whether a plain optimizer's state holds shards only the model tells: once ``du.fully_shard`` ran in
-    the job, an optimizer is refused without ``model=``, on every rank alike, whether that model lives or not
-    (a garbage collector's reach differs by rank; found by the suite). With ``model=``: as usual."""
+    the process, an optimizer is refused without ``model=``, on every rank alike, whether that model lives or
+    not (a garbage collector's reach differs by rank; found by the suite). With ``model=``: as usual."""
     opt, model = optim.SGD(0.1), net()
     opt.init(model.trainable_parameters())
     du.fully_shard(backend, net())
