@@ -477,7 +477,8 @@ def save_adapters(backend, path, model, config=None, *, trainable_only=True):
     """Collective: rank 0 writes ``model``'s trainable parameters (LoRA adapters, say; with
     ``trainable_only=False`` all of them: a plain weights file) to ``path`` atomically, as mlx-lm
     does (``model.load_weights(path, strict=False)`` reads them), a fully sharded model's whole, and
-    ``config`` beside it as ``adapter_config.json``; CheckpointError on every rank if it could not."""
+    ``config`` (a JSON value, else TypeError) beside it as ``adapter_config.json``; CheckpointError on every
+    rank if it could not."""
     path, shards = Path(path), _shards(backend, model, None, "save_adapters")
     config_file = path.parent / "adapter_config.json"
     write_config = None if config is None else partial(config_file.write_text, json.dumps(config, indent=4))

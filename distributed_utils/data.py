@@ -280,11 +280,11 @@ def _columns_and_length(data, where):
                 )
     else:
         n = _len(data, where)
-    if n is None:
-        raise TypeError(
-            f"{where}: cannot index a {type(data).__name__}; pass a sequence (an iterator: list() it "
-            "first), a numpy or mx array, a tuple or dict of arrays, or a datasets.Dataset"
-        )
+        if n is None:
+            raise TypeError(
+                f"{where}: cannot index a {type(data).__name__}; pass a sequence (an iterator: list() it "
+                "first), a numpy or mx array, a tuple or dict of arrays, or a datasets.Dataset"
+            )
     if n == 0:
         raise ValueError(f"{where}: data is empty (0 items)")
     return columns, n

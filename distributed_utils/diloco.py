@@ -158,7 +158,8 @@ class DiLoCo(OptimizerState, optim.Optimizer):
         """The updated ``parameters`` at the keys of ``gradients``: ``update``'s steps."""
         if not self._checked:  # the ranks start alike: at the first update, or a resumed job's first
             fsdp.check_mlx_sharding(self.backend, parameters, "DiLoCo")
-            fsdp.sharded(None, "DiLoCo does not compose with du.fully_shard", "use DistributedOptimizer")
+            if fsdp.sharded(parameters, "DiLoCo", "use update(model, ...)"):  # (a model tells; else refused)
+                raise ValueError("DiLoCo does not compose with du.fully_shard: use DistributedOptimizer")
             if self.backend.size > 1:  # (resumed: its global parameters are checked)
                 settings = dict(
                     sync_every=self.sync_every,

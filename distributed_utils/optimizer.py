@@ -54,7 +54,7 @@ class DistributedOptimizer(PlainOptimizerState, optim.Optimizer):
         self.sharded = bool(shard_optimizer_state)
         if self.sharded:
             fsdp.check_elementwise(optimizer, "DistributedOptimizer(shard_optimizer_state=True)")
-        self._layout = {}  # held_state's layout: ZeRO-1's (at init) or a fully sharded model's (first update)
+        self._layout = {}  # held_state's layout: ZeRO-1's (init, each step) or a fully sharded model's (first update)
         self._fully_sharded = None  # the model's fully sharded parameters (fsdp.sharded), at the first update
         self._checked = False  # the ranks' parameters and settings, at the first update
         self._sum, self._weight, self._calls = None, None, 0  # this accumulation cycle's, on this rank

@@ -193,8 +193,9 @@ def check_weights(weights: list, what: str):
 
 def weighted_shares(weights: mx.array) -> mx.array:
     """Every rank's ``w_r / sum w`` (zeros if all are 0), over the largest weight first: nothing overflows."""
-    top = mx.max(weights)
-    relative = weights / mx.where(top > 0, top, 1.0)
+    top = mx.max(weights)  # (divided by a power of two near it: exactly, so usual weights keep their bits)
+    power = mx.maximum(mx.floor(mx.log2(mx.where(top > 0, top, 1.0))), -149)
+    relative = weights / mx.power(2.0, power)
     return relative * inverse(relative.sum())
 
 

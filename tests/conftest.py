@@ -57,8 +57,7 @@ def backend():
 
 
 @pytest.fixture(autouse=True)
-def a_job_with_no_fully_sharded_model_yet():
-    """Each test starts as a job of its own would: once a model was fully sharded in a job, an optimizer needs
-    ``model=`` (``fsdp.sharded``); a test that shards one does not ask that of the tests after it."""
-    yield
-    du.fsdp.fully_sharded_in_process = False
+def a_process_with_no_fully_sharded_model_yet(monkeypatch):
+    """Each test starts as a job of its own would: once a model was fully sharded in a process, an optimizer
+    needs ``model=`` (``fsdp.sharded``); a test that shards one does not ask that of the tests after it."""
+    monkeypatch.setattr(du.fsdp, "fully_sharded_in_process", False)

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distributed_utils.reduction import plan
+from distributed_utils.reduction import inverse, plan, weighted_shares
 
 COMPRESSIONS = [None, mx.bfloat16, mx.float16, "int8"]
 
@@ -111,3 +111,11 @@ def test_weights_huge_or_tiny_give_the_weighted_mean():
     for weights, expected in (([2e38, 2e38], [2, 3]), ([1e-40, 1e-40], [2, 3]), ([1e-45, 0.0], [1, 2])):
         plans = [plan([mine[r]], r, 2, weights=mx.array(weights, mx.float32)) for r in range(2)]
         assert plans[0][2](reduced(plans))[0].tolist() == expected, weights
+
+
+@given(st.lists(st.integers(0, 10**6), min_size=1, max_size=8))
+def test_the_shares_of_usual_weights_are_their_fraction_of_the_sum_bit_for_bit(weights):
+    """Found by review: dividing by the largest weight itself (not a power of two) rounded twice, and the
+    shares of token counts lost their bits (98 of 186 weighted cases)."""
+    w = mx.array(weights, mx.float32)
+    assert mx.array_equal(weighted_shares(w), w * inverse(w.sum())).item()

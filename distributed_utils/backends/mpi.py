@@ -37,16 +37,10 @@ class MPIBackend(AbstractBackend):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 
-    @staticmethod
-    def _tracing(arrays) -> bool:
-        """Whether MLX traces ``arrays`` (``mx.compile``): then ``_traced`` runs the collective."""
-        if arrays and isinstance(arrays[0], np.ndarray):  # (host_buffers)
-            return False
-        return not evaluate(arrays)
-
     @functools.cached_property
     def _traced(self) -> MLXMPIBackend:
-        """MLX's MPI backend on these processes, which runs the collectives of traced functions."""
+        """MLX's MPI backend on these processes, which runs the collectives of traced functions (arrays that
+        ``evaluate`` cannot evaluate; numpy's, ``host_buffers``, it always can)."""
         try:
             traced = MLXMPIBackend()
         except BackendUnavailableError as e:
@@ -63,14 +57,14 @@ class MPIBackend(AbstractBackend):
         return traced
 
     def allreduce(self, arrays, op, scale=1.0, in_place=False):
-        if self._tracing(arrays):
+        if not evaluate(arrays):
             return self._traced.allreduce(arrays, op, scale)
         return self._reduced(arrays, arrays, op, scale, in_place)
 
     def start_sum(self, arrays, scale=1.0, in_place=False):
         # Summed now, on this thread: on a thread of their own, Open MPI's sums beside MLX's computation
         # made a step 1.7-3.8x slower on this 2-core machine (benchmarks/overlap.py).
-        if self._tracing(arrays):
+        if not evaluate(arrays):
             return self._traced.start_sum(arrays, scale)
         given = arrays
         if not in_place:  # scaled by MLX into memory of its own: MLX may still read the arrays' memory (a
@@ -90,7 +84,7 @@ class MPIBackend(AbstractBackend):
         return [_like(w, a) for w, a in zip(work, like)]
 
     def bcast(self, x, root):
-        if self._tracing([x]):
+        if not evaluate([x]):
             return self._traced.bcast(x, root)
         buf = contiguous_numpy(x)
         if self.rank == root:
@@ -99,7 +93,7 @@ class MPIBackend(AbstractBackend):
         return _received(buf.shape, buf.dtype, x.dtype, lambda out: self.comm.Bcast(out, root=root))
 
     def allgather(self, x):
-        if self._tracing([x]):
+        if not evaluate([x]):
             return self._traced.allgather(x)
         buf = contiguous_numpy(x)
         shape = (self.size * buf.shape[0],) + buf.shape[1:]
@@ -109,7 +103,7 @@ class MPIBackend(AbstractBackend):
         self.comm.Barrier()
 
     def reduce_scatter(self, x, scale=1.0):
-        if self._tracing([x]):
+        if not evaluate([x]):
             return self._traced.reduce_scatter(x, scale)
         sent = contiguous_numpy(widened(x))  # (x's own memory; MPI has no float16 or bfloat16)
         part = np.empty(sent.size // self.size, sent.dtype)
