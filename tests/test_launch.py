@@ -614,6 +614,19 @@ def test_a_record_after_a_line_without_its_end_is_read_and_the_line_shown(backen
         assert f"[rank {r}] a bar drawn without its end\n" in run.stdout, run.stdout
 
 
+def test_a_record_of_another_shape_is_shown_as_a_line_and_the_job_goes_on():
+    """Found by an adversarial test: a line with the job's token and a JSON list (or an event that is no
+    name) killed du-launch's reader of that rank: its pipe filled, and the job hung."""
+    forged = (
+        "import os\ntoken = os.environ['DU_RECORD_TOKEN']\n"
+        "print(f'du-launch-record {token} [1, 2]')\nprint(f'du-launch-record {token} {{\"event\": [1]}}')\n"
+        "for i in range(20000): print('line', i, 'x' * 100)\nprint('done')"
+    )
+    run = launch(2, "ring", ["python", "-c", forged], timeout=60)
+    assert run.returncode == 0, run.stdout[-2000:]
+    assert "[rank 1] done" in run.stdout and "[1, 2]" in run.stdout, run.stdout[-2000:]
+
+
 def test_a_reader_that_stops_reading_does_not_stop_the_job():
     """Found by an adversarial test: `du-launch ... | head -1` hung: du-launch stopped forwarding at the
     broken pipe, and the ranks blocked writing to theirs."""

@@ -95,11 +95,14 @@ def say_record(event: str, **fields):
 
 
 def read_record(line: bytes, token):
-    """The record (a dict) that ``line`` holds if it carries ``token`` (this job's ``DU_RECORD_TOKEN``), or None."""
+    """The record (a dict naming its event) that ``line`` holds if it carries ``token`` (this job's
+    ``DU_RECORD_TOKEN``), or None."""
     prefix = f"{RECORD_PREFIX}{token} ".encode()
     if token and line.startswith(prefix):
         with contextlib.suppress(ValueError):
-            return json.loads(line[len(prefix) :])
+            record = json.loads(line[len(prefix) :])
+            if isinstance(record, dict) and isinstance(record.get("event"), str):  # (else forged: a line)
+                return record
     return None
 
 
