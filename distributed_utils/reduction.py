@@ -150,10 +150,10 @@ def plan(arrays, rank, size, op="avg", scale=1.0, compression=None, weights=None
     if weights is not None:
         shares = weighted_shares(weights)
     else:  # "avg" is a sum times 1/N; so is "sum", times N afterwards
-        shares = mx.full((size,), average_factor(size))
         scale = scale if op == "avg" else scale * size
         if compression is None:  # as they are: the transport scales
             return arrays, average_factor(size) * scale, lambda sums: sums
+        shares = mx.full((size,), average_factor(size))
     units = [1.0] * len(arrays)
     if compression == "int8":  # the largest sent on any rank in 127 // N levels: no sum overflows
         steps = mx.max(maxima * shares[:, None], axis=0) / (127 // size)
